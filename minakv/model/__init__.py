@@ -1,0 +1,104 @@
+"""Models: build one from a config (random weights) or load one from a checkpoint, and run it.
+
+`build_model(config)` / `load_model(path_or_repo)` return a `CausalLM` (GptOssModel or MiniMaxM2Model):
+`model(input_ids [T], ctx) -> hidden [T, H]`, `model.compute_logits(hidden) -> float32 [T, V]`,
+`model.config`, `model.rope`, `model.layers[i].self_attn.spec` (the layer's `AttentionLayer`).
+`generate_greedy` is the plain single-sequence loop used before the engine exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from minakv.model.config import ModelConfig
+from minakv.model.context import DenseContext
+from minakv.model.gpt_oss import GptOssModel
+from minakv.model.layers import CausalLM, RMSNorm
+from minakv.model.minimax_m2 import MiniMaxM2Model
+
+Model = CausalLM
+MODEL_CLASSES: dict[str, type[CausalLM]] = {"gpt_oss": GptOssModel, "minimax_m2": MiniMaxM2Model}
+
+__all__ = [
+    "CausalLM", "GptOssModel", "MiniMaxM2Model", "Model", "ModelConfig",
+    "build_model", "default_device_dtype", "generate_greedy", "load_model", "make_empty_model",
+]  # fmt: skip
+
+
+def default_device_dtype(
+    device: str | torch.device | None, dtype: torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
+    """cuda if available; bfloat16 on cuda, float32 on cpu, unless given."""
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, dtype
+
+
+def make_empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The model with uninitialised storage in its final dtypes (built on "meta", so no init cost)."""
+    if config.arch not in MODEL_CLASSES:
+        raise ValueError(f"unsupported architecture {config.arch!r} (minakv runs {', '.join(MODEL_CLASSES)})")
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.arch](config)
+    model.to_empty(device=device)
+    model.to(dtype)
+    for p in model.fp32_parameters():
+        p.data = p.data.float()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def build_model(
+    config: ModelConfig,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> CausalLM:
+    """A model with random weights (normal(0, 0.02); norm weights 1) for tests and benchmarks."""
+    device, dtype = default_device_dtype(device, dtype)
+    model = make_empty_model(config, device, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for p in model.parameters():
+        if id(p) in norms:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model
+
+
+def load_model(
+    model: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+) -> CausalLM:
+    """Load a local Hugging Face directory, a built-in preset name or a hub repo id."""
+    from minakv.model.loader import load_model as _load
+
+    return _load(model, device=device, dtype=dtype)
+
+
+@torch.inference_mode()
+def generate_greedy(
+    model: CausalLM, prompt_ids: Iterable[int], max_new_tokens: int, stop_ids: Iterable[int] | None = None
+) -> list[int]:
+    """Greedy decoding of one sequence with a DenseContext; returns the new tokens (a stop token, by
+    default one of the config's eos ids, is included and ends the loop)."""
+    stop = set(model.config.eos_token_ids if stop_ids is None else stop_ids)
+    device = model.embed_tokens.weight.device
+    ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+    if ids.numel() == 0:
+        raise ValueError("generate_greedy needs a non-empty prompt")
+    ctx = DenseContext()
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        ctx.advance(ids.numel())
+        hidden = model(ids, ctx)
+        token = int(model.compute_logits(hidden[-1:]).argmax(dim=-1))
+        out.append(token)
+        if token in stop:
+            break
+        ids = torch.tensor([token], dtype=torch.long, device=device)
+    return out

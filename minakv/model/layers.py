@@ -1,0 +1,124 @@
+"""The decoder pieces both families share: RMSNorm, attention, the decoder layer and the causal LM.
+
+A family differs only in its feed-forward block (`make_mlp`) and in data read from the config: biases on
+q/k/v/o, sinks, QK-norm, the sliding window of each layer, how much of each head rotates. The attention
+module computes q, k, v un-rotated and hands them to `ctx.attend` (minakv/model/context.py): positions,
+RoPE, the KV cache and the attention itself belong to the context, so the same model code runs under the
+dense parity context, the walk oracle and the paged engine.
+
+Parameter names mirror the Hugging Face checkpoints without the leading `model.`, so the loader maps
+names with almost no rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minakv.model.config import ModelConfig
+from minakv.model.context import AttentionContext, AttentionLayer
+from minakv.ops.norm import rms_norm
+from minakv.ops.rope import Rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, weight_in_fp32: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32  # GPT-OSS: weight applied in fp32 and kept in fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.weight_in_fp32)
+
+
+def make_norm(config: ModelConfig, size: int) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, weight_in_fp32=config.arch == "gpt_oss")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, rope: Rope) -> None:
+        super().__init__()
+        c = config
+        self.index, self.rope = index, rope
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.window = c.layer_windows[index]
+        self.scale = c.head_dim**-0.5
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=bias)
+        # MiniMax-M2 normalises the whole q / k vector (all heads at once) before the head split.
+        self.q_norm = make_norm(c, c.num_heads * c.head_dim) if c.qk_norm else None
+        self.k_norm = make_norm(c, c.num_kv_heads * c.head_dim) if c.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if c.sinks else None
+
+    @property
+    def spec(self) -> AttentionLayer:
+        """What the context needs to know about this layer (built on access, so it follows `.to()`)."""
+        return AttentionLayer(self.index, self.window, self.sinks, self.scale, self.rope)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = ctx.attend(self.spec, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, rope: Rope, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.self_attn = Attention(config, index, rope)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """`model(input_ids [T], ctx) -> hidden [T, H]` (final norm applied); `compute_logits(hidden)`."""
+
+    def __init__(self, config: ModelConfig, make_mlp: Callable[[ModelConfig], nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("cpu"):  # the tables are plain tensors, even when modules are built on "meta"
+            self.rope = Rope(config.rotary_dim, config.rope_theta, config.rope_scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rope, make_mlp(config)) for i in range(config.num_layers)
+        )
+        self.norm = make_norm(config, config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def attention_layers(self) -> list[AttentionLayer]:
+        return [layer.self_attn.spec for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def fp32_parameters(self) -> list[nn.Parameter]:
+        """Parameters kept in fp32 whatever the model dtype (as transformers keeps them)."""
+        keep = [p for n, p in self.named_parameters() if n.endswith(("sinks", "e_score_correction_bias"))]
+        keep += [m.weight for m in self.modules() if isinstance(m, RMSNorm) and m.weight_in_fp32]
+        return keep

@@ -1,0 +1,45 @@
+"""MiniMax-M2: the shared decoder (no biases, QK RMSNorm over the whole q / k vector before the head
+split, partial RoPE over the first `rotary_dim` dims of each head) plus its MoE block.
+
+Router: a Linear without bias, sigmoid scores; `e_score_correction_bias` only decides which experts are
+chosen; the weights are the chosen experts' unbiased scores renormalised to sum to 1. Experts: SiLU-gated
+MLP, w1 = gate, w3 = up, w2 = down (stored fused as gate_up halves [E, 2I, H] and down [E, H, I]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minakv.model.config import ModelConfig
+from minakv.model.layers import CausalLM
+from minakv.ops.moe import moe, route_sigmoid_bias
+
+
+class MiniMaxM2Experts(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return moe(x, self.gate_up, self.down, weights, ids, activation="silu")
+
+
+class MiniMaxM2MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.experts_per_tok
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))  # kept in fp32
+        self.experts = MiniMaxM2Experts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_sigmoid_bias(self.gate(x), self.e_score_correction_bias, self.top_k)
+        return self.experts(x, weights, ids)
+
+
+class MiniMaxM2Model(CausalLM):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, MiniMaxM2MoE)
