@@ -1,0 +1,319 @@
+"""Chat rendering with token ownership (DESIGN.md 2.1).
+
+The conversation is rendered ONCE with the model's own Jinja chat template and tokenized ONCE; then every
+token gets the index of the message it belongs to. Cache operations (drop, reposition) name messages, so the
+engine must know which tokens each message owns, including the template's own text around it: role
+headers and end markers belong to their message, text before the first message belongs to message 0, and
+the generation prompt belongs to a synthetic owner N = len(messages).
+
+How owners are found: we cannot render messages one by one (templates rewrite earlier messages depending
+on later ones: GPT-OSS drops old reasoning, MiniMax groups consecutive tool results under one header), and
+we do not want to parse each family's output format. Instead a small Jinja extension rewrites every
+`{% for x in ... %}` loop of the template so that each iteration first calls `_minakv_enter(loop, x)` and
+the loop's end calls `_minakv_done(loop)`. Both output nothing. Rendering is a generator that runs the
+template lazily, so when a piece of output arrives we know which message iteration produced it. Of nested
+loops over messages we keep the OUTERMOST one: an inner loop over messages is the template looking ahead
+or back, not rendering them. Text outside any message iteration belongs to message 0 before the first
+message output and to N (the generation prompt) after it.
+
+Characters get owners; a token gets the owner of its first character. A token that spans two messages
+(a BPE merge across a boundary) cannot be split; `count_spanning` reports them and the tests show the real
+templates produce none (their boundaries are special tokens).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Iterator
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.lexer import Token, TokenStream
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+ENTER, DONE = "_minakv_enter", "_minakv_done"
+
+
+@dataclass
+class Rendered:
+    """A rendered conversation: the tokens, the owner message of each token, the text they came from."""
+
+    token_ids: list[int]
+    owners: list[int]  # owners[i] in 0..num_messages; num_messages is the generation prompt
+    text: str
+    num_messages: int
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Jinja environment: what Hugging Face gives chat templates, plus the ownership hooks.
+
+
+class OwnerHooks(jinja2.ext.Extension):
+    """Injects `{{ _minakv_enter(id, <loop target>) }}` at the start of every for-loop body and
+    `{{ _minakv_done(id) }}` after every `{% endfor %}`. Works on the token stream, after whitespace
+    control is applied, so the template's output is unchanged. Also accepts HF's `{% generation %}` tag
+    (a training-time marker) and renders its body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def filter_stream(self, stream: TokenStream) -> Iterator[Token]:
+        open_loops: list[int] = []
+        next_id = 0
+        tokens = iter(stream)
+        for tok in tokens:
+            yield tok
+            if tok.type != "block_begin":
+                continue
+            head = next(tokens)
+            yield head
+            if head.test("name:for"):
+                target: list[Token] = []  # the loop variable(s): tokens up to the top-level `in`
+                depth = 0
+                for t in tokens:
+                    yield t
+                    if depth == 0 and t.test("name:in"):
+                        break
+                    depth += (t.type in ("lparen", "lbracket")) - (t.type in ("rparen", "rbracket"))
+                    target.append(t)
+                for t in tokens:
+                    yield t
+                    if t.type == "block_end":
+                        break
+                loop_id, next_id = next_id, next_id + 1
+                open_loops.append(loop_id)
+                yield from _call(t.lineno, ENTER, loop_id, target)
+            elif head.test("name:endfor") and open_loops:
+                for t in tokens:
+                    yield t
+                    if t.type == "block_end":
+                        break
+                yield from _call(t.lineno, DONE, open_loops.pop(), [])
+
+
+def _call(lineno: int, name: str, loop_id: int, args: list[Token]) -> list[Token]:
+    """Tokens of `{{ name(loop_id, args...) }}`."""
+    call = [Token(lineno, "name", name), Token(lineno, "lparen", "("), Token(lineno, "integer", loop_id)]
+    if args:
+        call += [Token(lineno, "comma", ","), *args]
+    return [Token(lineno, "variable_begin", "{{"), *call, Token(lineno, "rparen", ")"),
+            Token(lineno, "variable_end", "}}")]  # fmt: skip
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    # Jinja's own tojson escapes HTML characters (<, >, &, '); chat templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    # The settings Hugging Face uses for chat templates (sandboxed: templates from model repos are untrusted).
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, OwnerHooks]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(source: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template: syntax error at line {e.lineno}: {e.message}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Messages as templates expect them
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def normalize_message(message: Any, index: int) -> dict[str, Any]:
+    """A fresh copy of one OpenAI-style message in the shape Hugging Face chat templates read: None fields
+    dropped, null content as "", text parts joined, tool-call arguments as dicts (templates `tojson` them),
+    reasoning under both `reasoning_content` (MiniMax) and `thinking` (GPT-OSS)."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")
+    if not isinstance(message.get("role"), str):
+        raise ValueError(f"messages[{index}].role must be a string")
+    out = {k: v for k, v in message.items() if v is not None}
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ValueError(f"messages[{index}].content must be a string, a list of text parts or null")
+    out["content"] = content or ""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise ValueError(f"messages[{index}].reasoning_content must be a string")
+        out.update(reasoning_content=reasoning, thinking=reasoning)
+    if "tool_calls" in out:
+        out["tool_calls"] = [_normalize_call(c, index, j) for j, c in enumerate(out["tool_calls"])]
+    return out
+
+
+def _normalize_call(call: Any, index: int, j: int) -> dict[str, Any]:
+    where = f"messages[{index}].tool_calls[{j}]"
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where}.function.name must be a string")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {e}") from None
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rendering with owners
+
+
+class _Tracker:
+    """Which message iteration of the template is running now (see the module docstring)."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self.index = {id(m): i for i, m in enumerate(messages)}
+        self.frames: list[tuple[int, int]] = []  # (loop id, message index), outermost first
+
+    def enter(self, loop_id: int, *targets: Any) -> str:
+        if self.frames and self.frames[-1][0] == loop_id:
+            self.frames.pop()
+        i = next((self.index[id(t)] for t in targets if id(t) in self.index), None)
+        if i is not None:
+            self.frames.append((loop_id, i))
+        return ""
+
+    def done(self, loop_id: int) -> str:
+        while self.frames and self.frames[-1][0] == loop_id:
+            self.frames.pop()
+        return ""
+
+    def current(self) -> int | None:
+        return self.frames[0][1] if self.frames else None
+
+
+def render_spans(
+    messages: list[dict[str, Any]], template: str, tools: list[dict] | None, add_generation_prompt: bool,
+    **template_kwargs: Any,
+) -> tuple[str, list[tuple[int, int]]]:  # fmt: skip
+    """Render normalized messages; return the text and its owner runs as (start char, owner), starts
+    increasing, owners non-decreasing."""
+    n = len(messages)
+    tracker = _Tracker(messages)
+    context = {
+        "bos_token": "", "eos_token": "",  # templates may print them; a tokenizer's own values override
+        **template_kwargs,
+        "messages": messages, "tools": tools or None, "add_generation_prompt": add_generation_prompt,
+        ENTER: tracker.enter, DONE: tracker.done,
+    }  # fmt: skip
+    pieces: list[str] = []
+    runs: list[tuple[int, int]] = []
+    at, rendered_a_message = 0, False
+    try:
+        for chunk in compile_template(template).generate(**context):
+            if not chunk:
+                continue
+            owner = tracker.current()
+            if owner is not None:
+                rendered_a_message = True
+            elif not rendered_a_message:
+                owner = 0  # before the first message: message 0 (a system prompt the template prints first)
+            else:
+                owner = n if add_generation_prompt else n - 1  # after the last: the generation prompt
+            if runs and owner < runs[-1][1]:
+                raise ValueError(
+                    f"the chat template renders message {owner} after message {runs[-1][1]}; token ownership "
+                    "needs messages rendered in order"
+                )
+            if not runs or owner != runs[-1][1]:
+                runs.append((at, owner))
+            pieces.append(chunk)
+            at += len(chunk)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template error: {e.message}") from None
+    text = "".join(pieces)
+    if not rendered_a_message and add_generation_prompt and n > 0:
+        # No message was rendered inside a loop (e.g. only a system message): find the generation prompt
+        # as what add_generation_prompt appends.
+        plain, _ = render_spans(messages, template, tools, False, **template_kwargs)
+        if text.startswith(plain) and len(plain) < len(text):
+            runs = [(0, 0)] if plain else []
+            runs.append((len(plain), n))
+    return text, runs
+
+
+def owners_of_tokens(offsets: list[tuple[int, int]], runs: list[tuple[int, int]]) -> list[int]:
+    """Owner of each token = owner of its first character."""
+    starts = [s for s, _ in runs]
+    return [runs[max(bisect.bisect_right(starts, start) - 1, 0)][1] for start, _ in offsets]
+
+
+def count_spanning(offsets: list[tuple[int, int]], runs: list[tuple[int, int]]) -> int:
+    """How many tokens cover characters of two owners (they are given to the first)."""
+    starts = [s for s, _ in runs]
+    return sum(
+        bisect.bisect_right(starts, start) != bisect.bisect_right(starts, end - 1)
+        for start, end in offsets
+        if end > start
+    )
+
+
+def render(
+    messages: list[dict[str, Any]],
+    tokenizer: Any,
+    template: str | None = None,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> Rendered:
+    """Render `messages` with the chat template (default: the tokenizer's), tokenize once, and give each
+    token its owner. `template_kwargs` (reasoning_effort, model_identity, ...) go to the template."""
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("the model has no chat template (chat_template.jinja or tokenizer_config.json)")
+    if not isinstance(messages, list):
+        raise ValueError("messages must be a list")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError("tools must be a list of objects")
+    normalized = [normalize_message(m, i) for i, m in enumerate(messages)]
+    specials = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token")}
+    kwargs = {**{k: v for k, v in specials.items() if v is not None}, **template_kwargs}
+    text, runs = render_spans(normalized, template, tools, add_generation_prompt, **kwargs)
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    return Rendered(list(ids), owners_of_tokens(offsets, runs), text, len(messages))
+
+
+def message_text(rendered: Rendered, owner: int, tokenizer: Any) -> str:
+    """The text of the tokens that `owner` owns (for tests and debugging)."""
+    return tokenizer.decode([t for t, o in zip(rendered.token_ids, rendered.owners) if o == owner])
