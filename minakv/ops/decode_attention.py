@@ -1,0 +1,236 @@
+"""Decode attention: one new query per request over that request's active KV slots.
+
+The keys of request b are `kv_slots[kv_indptr[b]:kv_indptr[b+1]]` (flat slot indices into one layer's
+pool, so any page size works) with positions `kv_pos[...]`; its query sits at `q_pos[b]` and reads a key
+at position k iff `0 <= q_pos - k < window` (DESIGN.md 2.4). Sinks join the softmax denominator.
+
+The Triton path is flash-decoding: the keys of each request are cut into `num_splits` chunks, one
+program per (request, KV head, chunk) computes an unnormalised partial softmax for all query heads of
+that KV head at once (GQA packing: each K/V row is read once), and a second kernel merges the chunks
+and folds in the sinks. Decode is bound by the bytes of K and V read, so the splits exist to put enough
+programs in flight to saturate memory bandwidth when the batch is small.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minakv.ops.attention import masked_attention, position_mask
+from minakv.ops.triton_util import check, interpreting, lazy_jit, num_sms, use_triton
+
+LOG2E = 1.4426950408889634
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [S, Hkv, D], one layer of the pool
+    v_cache: torch.Tensor,  # [S, Hkv, D]
+    kv_indptr: torch.Tensor,  # [B + 1]
+    kv_slots: torch.Tensor,  # [N]
+    kv_pos: torch.Tensor,  # [N]
+    q_pos: torch.Tensor,  # [B]
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
+    max_kv_len: int | None = None,  # host-side hint: longest key list (saves a device sync)
+) -> torch.Tensor:
+    """Attention output [B, Hq, D]: Triton on CUDA tensors, the torch reference otherwise."""
+    fn = decode_attention_triton if use_triton(q) else decode_attention_ref
+    return fn(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, scale, window, sinks, max_kv_len)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_slots: torch.Tensor,
+    kv_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    max_kv_len: int | None = None,
+) -> torch.Tensor:
+    """Torch reference: gather each request's keys and run the dense masked attention."""
+    _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks)
+    out = torch.empty_like(q)
+    bounds = kv_indptr.tolist()
+    for b in range(q.shape[0]):
+        slots = kv_slots[bounds[b] : bounds[b + 1]].long()
+        mask = position_mask(q_pos[b : b + 1], kv_pos[bounds[b] : bounds[b + 1]], window)
+        out[b] = masked_attention(q[b : b + 1], k_cache[slots], v_cache[slots], mask, scale, sinks)[0]
+    return out
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_slots: torch.Tensor,
+    kv_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    max_kv_len: int | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """The split-K Triton kernel; the keyword-only knobs are for benchmarks and tests."""
+    _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if max_kv_len is None:
+        max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max().item())
+    if num_splits is None:
+        # Aim at a few programs per multiprocessor; never give a chunk fewer than 4 blocks of keys.
+        wanted = triton.cdiv(4 * num_sms(q.device), batch * num_kv_heads)
+        num_splits = max(1, min(wanted, triton.cdiv(max_kv_len, 4 * block_n)))
+    keys_per_split = triton.cdiv(triton.cdiv(max(max_kv_len, 1), num_splits), block_n) * block_n
+
+    part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, part_acc, part_ml,
+        scale * LOG2E, window if window is not None else 0, keys_per_split,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, F32_DOT=q.dtype == torch.float32 or interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    sinks_arg = sinks if sinks is not None else part_ml  # any pointer; unused without sinks
+    _decode_merge_kernel[(batch, num_heads)](
+        part_acc, part_ml, sinks_arg, out, out.stride(0), out.stride(1),
+        D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        HAS_SINKS=sinks is not None, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks) -> None:
+    check(q.dim() == 3, f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    check(k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache, v_cache must both be [S, Hkv, D]")
+    check(k_cache.shape[2] == q.shape[2], f"head dim of q {q.shape[2]} != cache {k_cache.shape[2]}")
+    check(q.shape[1] % k_cache.shape[1] == 0, f"{q.shape[1]} query heads not a multiple of KV heads")
+    check(k_cache.stride(2) == 1 and q.stride(2) == 1, "q and caches need a contiguous head dim")
+    check(kv_indptr.shape == (q.shape[0] + 1,), f"kv_indptr must have B + 1 = {q.shape[0] + 1} entries")
+    check(kv_slots.shape == kv_pos.shape and kv_slots.dim() == 1, "kv_slots and kv_pos must be [N] alike")
+    check(q_pos.shape == (q.shape[0],), "q_pos must be [B]")
+    check(sinks is None or sinks.shape == (q.shape[1],), "sinks must be [Hq]")
+    check(q.dtype == k_cache.dtype == v_cache.dtype, "q, k_cache and v_cache must share a dtype")
+
+
+@lazy_jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, indptr_ptr, slots_ptr, pos_ptr, q_pos_ptr, acc_ptr, ml_ptr,
+    scale_log2, window, keys_per_split,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    start = tl.load(indptr_ptr + b)
+    end = tl.load(indptr_ptr + b + 1)
+    lo = start + split * keys_per_split
+    hi = tl.minimum(end, lo + keys_per_split)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kv_head * GROUP + g
+    q_mask = (g < GROUP)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    qp = tl.load(q_pos_ptr + b)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for j in range(lo, hi, BLOCK_N):
+        cols = j + tl.arange(0, BLOCK_N)
+        valid = cols < hi
+        slot = tl.load(slots_ptr + cols, mask=valid, other=0).to(tl.int64)
+        kp = tl.load(pos_ptr + cols, mask=valid, other=0)
+        kv_mask = valid[:, None] & (d < D)[None, :]
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
+        )
+        if F32_DOT:  # fp32 inputs: exact fp32 products, not tf32
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        diff = qp - kp
+        visible = valid & (diff >= 0)
+        if HAS_WINDOW:
+            visible = visible & (diff < window)
+        s = tl.where(visible[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: avoid inf - inf
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    row = b * tl.num_programs(1) * GROUP + heads  # b * Hq + head
+    out_mask = (g < GROUP)[:, None] & (d < D)[None, :]
+    tl.store(acc_ptr + (row[:, None] * NUM_SPLITS + split) * D + d[None, :], acc, mask=out_mask)
+    ml = ml_ptr + (row * NUM_SPLITS + split) * 2
+    tl.store(ml, m_i, mask=g < GROUP)
+    tl.store(ml + 1, l_i, mask=g < GROUP)
+
+
+@lazy_jit
+def _decode_merge_kernel(
+    acc_ptr, ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh,
+    D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    sp_ok = sp < NUM_SPLITS
+    m = tl.load(ml_ptr + (row * NUM_SPLITS + sp) * 2, mask=sp_ok, other=float("-inf"))
+    l = tl.load(ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1, mask=sp_ok, other=0.0)
+    acc = tl.load(
+        acc_ptr + (row * NUM_SPLITS + sp[:, None]) * D + d[None, :],
+        mask=sp_ok[:, None] & (d < D)[None, :],
+        other=0.0,
+    )
+    m_all = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.math.exp2(m - m_use)
+    denom = tl.sum(l * w, 0)
+    if HAS_SINKS:
+        denom += tl.math.exp2(sink - m_use)
+    num = tl.sum(acc * w[:, None], 0)
+    out = tl.where(denom > 0, num / tl.maximum(denom, 1e-30), 0.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+__all__ = ["decode_attention", "decode_attention_ref", "decode_attention_triton"]

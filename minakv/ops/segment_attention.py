@@ -1,0 +1,248 @@
+"""Segment attention: the one prefill kernel for ordinary prefill, chunked prefill and restore.
+
+A flat batch of query tokens is cut into segments. Segment g owns the queries
+`q[seg_q_indptr[g]:seg_q_indptr[g+1]]`, whose own K/V were already stored at `q_slots`. Its queries see
+
+  1. the context keys `kv_slots[seg_kv_indptr[g]:seg_kv_indptr[g+1]]` at positions `kv_pos[...]`
+     (earlier chunks, or the keys active at a drop/reposition point during restore), and
+  2. the segment's own causal prefix (query i sees own keys 0..i),
+
+each subject to the position rule of DESIGN.md 2.4: a key at position k is visible to a query at p iff
+`0 <= p - k < window`. Sinks join the softmax denominator. Ordinary prefill is one segment per request
+with an empty context; chunked prefill gives the earlier chunks as context.
+
+The Triton kernel is flash attention over a gathered key list: one program per (query block, query head,
+segment) walks the context keys and then its causal prefix as one index range, so blocks may straddle
+the boundary. The elementwise mask is only applied to blocks that need it (diagonal, ragged edges,
+window, out-of-order positions); with a window, key blocks wholly outside it are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minakv.ops.attention import masked_attention, position_mask
+from minakv.ops.triton_util import check, interpreting, lazy_jit, use_triton
+
+LOG2E = 1.4426950408889634
+
+
+def segment_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [S, Hkv, D], one layer of the pool
+    v_cache: torch.Tensor,  # [S, Hkv, D]
+    q_pos: torch.Tensor,  # [T]
+    q_slots: torch.Tensor,  # [T] where each query token's own K/V are stored
+    seg_q_indptr: torch.Tensor,  # [G + 1]
+    seg_kv_indptr: torch.Tensor,  # [G + 1]
+    kv_slots: torch.Tensor,  # [N] context keys of all segments
+    kv_pos: torch.Tensor,  # [N]
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
+    max_seg_len: int | None = None,  # host-side hint: longest segment (saves a device sync)
+) -> torch.Tensor:
+    """Attention output [T, Hq, D]: Triton on CUDA tensors, the torch reference otherwise."""
+    fn = segment_attention_triton if use_triton(q) else segment_attention_ref
+    args = (q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, scale, window, sinks, max_seg_len)
+    return fn(q, k_cache, v_cache, *args)
+
+
+def segment_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_slots: torch.Tensor,
+    seg_q_indptr: torch.Tensor,
+    seg_kv_indptr: torch.Tensor,
+    kv_slots: torch.Tensor,
+    kv_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    max_seg_len: int | None = None,
+) -> torch.Tensor:
+    """Torch reference: per segment, gather context + own keys and run the dense masked attention."""
+    _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks)
+    out = torch.zeros_like(q)
+    q_bounds, kv_bounds = seg_q_indptr.tolist(), seg_kv_indptr.tolist()
+    for g in range(len(q_bounds) - 1):
+        qs, qe, ks, ke = q_bounds[g], q_bounds[g + 1], kv_bounds[g], kv_bounds[g + 1]
+        if qs == qe:
+            continue
+        slots = torch.cat([kv_slots[ks:ke], q_slots[qs:qe]]).long()
+        mask = position_mask(q_pos[qs:qe], torch.cat([kv_pos[ks:ke], q_pos[qs:qe]]), window)
+        own = torch.ones(qe - qs, qe - qs, dtype=torch.bool, device=q.device).tril()
+        mask[:, ke - ks :] &= own
+        out[qs:qe] = masked_attention(q[qs:qe], k_cache[slots], v_cache[slots], mask, scale, sinks)
+    return out
+
+
+def segment_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_slots: torch.Tensor,
+    seg_q_indptr: torch.Tensor,
+    seg_kv_indptr: torch.Tensor,
+    kv_slots: torch.Tensor,
+    kv_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    max_seg_len: int | None = None,
+    *,
+    block_m: int = 128,
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """The Triton kernel; the keyword-only knobs are for benchmarks and tests."""
+    _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks)
+    num_tokens, num_heads, head_dim = q.shape
+    num_segments = seg_q_indptr.shape[0] - 1
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_segments == 0:
+        return out.zero_()
+    if max_seg_len is None:
+        max_seg_len = int((seg_q_indptr[1:] - seg_q_indptr[:-1]).max().item())
+    if max_seg_len == 0:
+        return out.zero_()
+    check(num_segments < 65536, f"at most 65535 segments per launch, got {num_segments}")
+    grid = (num_heads, triton.cdiv(max_seg_len, block_m), num_segments)
+    _segment_kernel[grid](
+        q, k_cache, v_cache, out, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos,
+        sinks if sinks is not None else q_pos, scale * LOG2E, window if window is not None else 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        GROUP=num_heads // k_cache.shape[1], D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
+        F32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks):
+    check(q.dim() == 3, f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    check(k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache, v_cache must both be [S, Hkv, D]")
+    check(k_cache.shape[2] == q.shape[2], f"head dim of q {q.shape[2]} != cache {k_cache.shape[2]}")
+    check(q.shape[1] % k_cache.shape[1] == 0, f"{q.shape[1]} query heads not a multiple of KV heads")
+    check(k_cache.stride(2) == 1 and q.stride(2) == 1, "q and caches need a contiguous head dim")
+    check(q_pos.shape == (q.shape[0],) and q_slots.shape == (q.shape[0],), "q_pos and q_slots must be [T]")
+    check(seg_q_indptr.dim() == 1 and seg_q_indptr.shape == seg_kv_indptr.shape, "indptrs must be [G + 1]")
+    check(kv_slots.shape == kv_pos.shape and kv_slots.dim() == 1, "kv_slots and kv_pos must be [N] alike")
+    check(sinks is None or sinks.shape == (q.shape[1],), "sinks must be [Hq]")
+    check(q.dtype == k_cache.dtype == v_cache.dtype, "q, k_cache and v_cache must share a dtype")
+
+
+@lazy_jit
+def _segment_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, q_pos_ptr, q_slots_ptr, seg_q_ptr, seg_kv_ptr, kv_slots_ptr, kv_pos_ptr,
+    sinks_ptr, scale_log2, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
+    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0)
+    m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (causal) blocks first
+    seg = tl.program_id(2)
+    qs = tl.load(seg_q_ptr + seg)
+    n_q = tl.load(seg_q_ptr + seg + 1) - qs
+    if m_block * BLOCK_M >= n_q:
+        return
+    ks = tl.load(seg_kv_ptr + seg)
+    n_ctx = tl.load(seg_kv_ptr + seg + 1) - ks
+    kv_head = head // GROUP
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the segment
+    row_ok = rows < n_q
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    q_off = (qs + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_off[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    qp = tl.load(q_pos_ptr + qs + rows, mask=row_ok, other=0)
+    qp_min = tl.min(tl.where(row_ok, qp, 2147483647), 0)
+    qp_max = tl.max(tl.where(row_ok, qp, -2147483647), 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # Keys 0..n_ctx-1 are the context; key n_ctx + i is the segment's own token i (causal prefix).
+    n_keys = n_ctx + tl.minimum(n_q, (m_block + 1) * BLOCK_M)
+    for j in range(0, n_keys, BLOCK_N):
+        cols = j + tl.arange(0, BLOCK_N)
+        own = cols - n_ctx
+        is_ctx = cols < n_ctx
+        is_own = (own >= 0) & (cols < n_keys)
+        slot = tl.where(
+            is_ctx,
+            tl.load(kv_slots_ptr + ks + cols, mask=is_ctx, other=0),
+            tl.load(q_slots_ptr + qs + own, mask=is_own, other=0),
+        ).to(tl.int64)
+        kp = tl.where(
+            is_ctx,
+            tl.load(kv_pos_ptr + ks + cols, mask=is_ctx, other=0),
+            tl.load(q_pos_ptr + qs + own, mask=is_own, other=0),
+        )
+        valid = is_ctx | is_own
+        kp_min = tl.min(tl.where(valid, kp, 2147483647), 0)
+        kp_max = tl.max(tl.where(valid, kp, -2147483647), 0)
+        skip = False
+        if HAS_WINDOW:
+            skip = qp_min - kp_max >= window  # every key too old for every query
+        if not skip:
+            kv_mask = valid[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
+            )
+            if F32_DOT:  # fp32 inputs: exact fp32 products, not tf32
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale_log2
+            # Mask only where some pair may be invisible: ragged end, diagonal, positions, window.
+            full = (
+                (j + BLOCK_N <= n_keys) & (j + BLOCK_N - 1 - n_ctx <= m_block * BLOCK_M) & (kp_max <= qp_min)
+            )
+            if HAS_WINDOW:
+                full = full & (qp_max - kp_min < window)
+            if not full:
+                diff = qp[:, None] - kp[None, :]
+                visible = valid[None, :] & (diff >= 0) & (own[None, :] <= rows[:, None])
+                if HAS_WINDOW:
+                    visible = visible & (diff < window)
+                s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: avoid inf - inf
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if F32_DOT:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+    if HAS_SINKS:  # one more logit in the denominator, with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # nothing visible and no sink: 0
+    o_ptrs = out_ptr + q_off[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+__all__ = ["segment_attention", "segment_attention_ref", "segment_attention_triton"]

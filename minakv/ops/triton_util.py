@@ -1,0 +1,53 @@
+"""Small helpers shared by minakv's Triton kernels.
+
+Kernels are wrapped with `lazy_jit` instead of `@triton.jit`: Triton decides at decoration time whether
+a kernel runs compiled or in its CPU interpreter (TRITON_INTERPRET=1). Decorating at first launch lets a
+test set the variable after the module was imported (by some other test) and still run the kernel on
+CPU tensors. Each op picks the Triton path for CUDA tensors and its torch reference otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+
+class lazy_jit:
+    """`kernel[grid](...)` like a `triton.jit` function, jitted on first use (once per interpret mode)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.jitted: dict[bool, Any] = {}
+
+    def __getitem__(self, grid: Any) -> Any:
+        interpret = interpreting()
+        if interpret not in self.jitted:
+            self.jitted[interpret] = triton.jit(self.fn)
+        return self.jitted[interpret][grid]
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1. The interpreter (Triton 3.9) multiplies bf16 dots wrongly, so
+    kernels take their fp32-operand dot path there (the bf16 rounding is then checked on the GPU only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when an op should take its Triton path (CUDA tensors); the torch reference serves the rest."""
+    return x.is_cuda
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check(cond: bool, message: str) -> None:
+    """Raise a ValueError naming the bad input (ops validate shapes before launching a kernel)."""
+    if not cond:
+        raise ValueError(message)
