@@ -1,0 +1,301 @@
+"""The aiohttp application: routes, authentication, errors, streaming.
+
+Every request is decoded into a typed struct (protocol.py), turned into an engine prompt and sampling
+parameters (prompts.py), and handed to `engine.stream`, an async generator of increments. The engine
+validates the prompt on the first increment, so nothing is sent to the client before that: a bad prompt
+still gets a clean HTTP 400, and a full waiting queue a 503. A streamed response is Server-Sent Events in
+OpenAI's chunk format. If the client goes away, aiohttp cancels the handler (`handler_cancellation`) or the
+next write fails; either way the `finally` aborts the request so its pages return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from minakv.cache.program import CacheOpError
+from minakv.engine import Engine, Overloaded
+from minakv.sampling import RequestOutput, SamplingParams
+from minakv.server import output, prompts
+from minakv.server.metrics import prometheus_text
+from minakv.server.ops import CacheOps, has_cache_ops
+from minakv.server.protocol import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    RequestError,
+    UsageInfo,
+    decode_request,
+    error_body,
+)
+
+ENGINE = web.AppKey("engine", Engine)
+SETTINGS = web.AppKey("settings", dict)
+COUNTS = web.AppKey("counts", Counter)
+JSON = "application/json"
+log = logging.getLogger("minakv.server")
+
+
+def make_app(
+    engine: Engine,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = 32 << 20,
+) -> web.Application:
+    """The server for `engine`. `served_model_name` is the name clients must send as `model` (the model
+    argument is accepted too); with `api_key`, /v1 routes need `Authorization: Bearer <api_key>`."""
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_and_auth])
+    names = [served_model_name or engine.model_name]
+    app[ENGINE] = engine
+    app[SETTINGS] = {"names": names, "accepted": {*names, engine.model_name}, "api_key": api_key}
+    app[COUNTS] = Counter()
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def error_response(err: RequestError) -> web.Response:
+    return web.Response(status=err.status, body=error_body(err), content_type=JSON)
+
+
+@web.middleware
+async def errors_and_auth(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """API-key check for /v1 routes, and every failure as an OpenAI-style JSON error body."""
+    counts = request.app[COUNTS]
+    try:
+        key = request.app[SETTINGS]["api_key"]
+        if key is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                what = "Missing" if not given else "Incorrect"
+                raise RequestError(
+                    f"{what} API key: send 'Authorization: Bearer <key>'", status=401, code="invalid_api_key"
+                )
+        response = await handler(request)
+    except RequestError as e:
+        response = error_response(e)
+    except web.HTTPRequestEntityTooLarge as e:
+        response = error_response(RequestError(f"request body too large: {e.text}", status=413))
+    except web.HTTPException as e:  # unknown route, wrong method
+        response = error_response(RequestError(e.reason, status=e.status))
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client is gone; nothing to answer
+    except Exception as e:  # a bug: answer 500 in the usual shape, keep serving
+        log.exception("error while handling %s", request.path)
+        response = error_response(RequestError(f"internal error: {e!r}", status=500, type="server_error"))
+    info = request.match_info.route.resource
+    counts[(info.canonical if info is not None else "other", response.status)] += 1
+    return response
+
+
+async def read_json(request: web.Request, type: type) -> Any:
+    return decode_request(await request.read(), type)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_info(out: RequestOutput) -> UsageInfo:
+    u = out.usage
+    details = PromptTokensDetails(u.cached_tokens, u.repos_tokens, u.drop_skipped_tokens)
+    return UsageInfo(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens, details)
+
+
+async def start(
+    engine: Engine,
+    prompt: Any,
+    params: SamplingParams,
+    request_id: str,
+    ops: CacheOps | None,
+    prompt_param: str,
+) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
+    """Submit and wait for the first increment; engine-side validation errors become 400, a full queue 503."""
+    stream = engine.stream(prompt, params, request_id=request_id)
+    try:
+        first = await stream.__anext__()
+    except Overloaded as e:
+        raise RequestError(
+            f"server overloaded: {e}", status=503, type="server_error", code="overloaded"
+        ) from None
+    except CacheOpError as e:
+        param = ops.drop_param if ops is not None and "drop" in str(e) else None
+        if param is None and ops is not None and "reposition" in str(e):
+            param = ops.reposition_param
+        raise RequestError(f"invalid cache operation: {e}", param or "cache") from None
+    except ValueError as e:
+        raise RequestError(str(e), prompt_param) from None
+    return stream, first
+
+
+async def finish(engine: Engine, stream: AsyncIterator[RequestOutput], request_id: str, done: bool) -> None:
+    """Close the engine stream; a request that did not finish is aborted and its pages freed."""
+    if not done:
+        engine.abort(request_id)
+    with contextlib.suppress(RuntimeError, ConnectionError):  # closing twice, or the client is gone
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# /v1/chat/completions
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine, settings = request.app[ENGINE], request.app[SETTINGS]
+    req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
+    prompts.check_common(req, settings["accepted"])
+    logprobs = prompts.chat_logprobs(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(f"{param_name} must be a positive integer, got {max_tokens}", param_name)
+    params = prompts.sampling_params(req, max_tokens or engine.max_model_len, logprobs)
+    prompt, ops, tools_on = prompts.chat_prompt(req)
+    if ops is not None and ops.thinking_drop:
+        prompt = output.thinking_drop_prompt(engine, prompt, ops)
+    rid, created, model = new_id("chatcmpl"), int(time.time()), settings["names"][0]
+    stream, first = await start(engine, prompt, params, rid, ops, "messages")
+    parser = output.ChatParser(engine, tools_on)
+    with_usage = has_cache_ops(req) or bool(req.stream_options and req.stream_options.include_usage)
+    done = False
+    try:
+        if not req.stream:
+            last = first
+            parser.feed(first)
+            while not last.finished:
+                last = await stream.__anext__()
+                parser.feed(last)
+            done = True
+            message, finish_reason = parser.message(last.finish_reason)
+            choice = ChatChoice(0, message, finish_reason, parser.logprobs_all())
+            body = ChatCompletion(rid, created, model, [choice], usage_info(last))
+            return web.Response(body=msgspec.json.encode(body), content_type=JSON)
+
+        response = await open_sse(request)
+
+        async def send(choices: list[ChunkChoice], usage: UsageInfo | None = None) -> None:
+            chunk = ChatCompletionChunk(rid, created, model, choices, usage)
+            await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+
+        await send([ChunkChoice(0, Delta(role="assistant", content=""))])
+        out = first
+        while True:
+            for delta, lps in parser.deltas(out):
+                await send([ChunkChoice(0, delta, None, lps)])
+            if out.finished:
+                break
+            out = await stream.__anext__()
+        done = True
+        await send([ChunkChoice(0, Delta(), parser.finish_reason(out.finish_reason))])
+        if with_usage:
+            await send([], usage_info(out))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    finally:
+        await finish(engine, stream, rid, done)
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+# ---------------------------------------------------------------------------------------------------------
+# /v1/completions
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine, settings = request.app[ENGINE], request.app[SETTINGS]
+    req: CompletionRequest = await read_json(request, CompletionRequest)
+    prompts.check_common(req, settings["accepted"])
+    prompts.check_completion(req)
+    prompt = prompts.completion_prompt(req)
+    params = prompts.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+    rid, created, model = new_id("cmpl"), int(time.time()), settings["names"][0]
+    stream, first = await start(engine, prompt, params, rid, None, "prompt")
+    lps = output.CompletionLogprobsBuilder(engine) if req.logprobs is not None else None
+    done = False
+    try:
+        if not req.stream:
+            outs = [first]
+            while not outs[-1].finished:
+                outs.append(await stream.__anext__())
+            done = True
+            text = "".join(o.text for o in outs)
+            for o in outs:
+                if lps is not None:
+                    lps.add(o)
+            choice = CompletionChoice(0, text, outs[-1].finish_reason, lps.build() if lps else None)
+            body = Completion(rid, created, model, [choice], usage_info(outs[-1]))
+            return web.Response(body=msgspec.json.encode(body), content_type=JSON)
+
+        response = await open_sse(request)
+        out = first
+        while True:
+            chunk_lps = None
+            if lps is not None:
+                chunk_lps = output.CompletionLogprobsBuilder(engine, lps.offset).add(out).build()
+                lps.add(out)
+            if out.text or out.finished or chunk_lps is not None:
+                choice = CompletionChoice(0, out.text, out.finish_reason, chunk_lps)
+                await response.write(
+                    b"data: " + msgspec.json.encode(Completion(rid, created, model, [choice])) + b"\n\n"
+                )
+            if out.finished:
+                break
+            out = await stream.__anext__()
+        done = True
+        if req.stream_options and req.stream_options.include_usage:
+            chunk = Completion(rid, created, model, [], usage_info(out))
+            await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    finally:
+        await finish(engine, stream, rid, done)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# models, health, metrics
+
+
+async def models(request: web.Request) -> web.Response:
+    engine, settings = request.app[ENGINE], request.app[SETTINGS]
+    cards = [ModelCard(name, int(time.time()), engine.max_model_len) for name in settings["names"]]
+    return web.Response(body=msgspec.json.encode(ModelList(cards)), content_type=JSON)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(body=b'{"status":"ok"}', content_type=JSON)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    stats = await asyncio.to_thread(request.app[ENGINE].stats)
+    text = prometheus_text(stats, request.app[COUNTS])
+    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Version": "0.0.4"})

@@ -1,0 +1,177 @@
+"""Cache operations as clients spell them -> the engine's `{"drop": {...}, "reposition": [...]}`.
+
+Two spellings reach the server (DESIGN.md 2.2, akv.md 1.1):
+- the paper's: `"cache": {"drop": {"2": [0]}, "reposition": [2]}`;
+- AKV's: `"drop_message": {"2": [0]}` or `"drop_rule": {"type": "message_drop", "drop_messages": {...}}`
+  or `{"type": "thinking_drop"}`, plus `"reposition": [...]`.
+Message ids are positions in `messages` as sent. Syntax is checked here, against the number of messages,
+so the error names the field the client wrote; the engine re-checks the semantics against the rendering.
+
+`thinking_drop` drops each assistant message's reasoning at the end of that same message. A message-level
+drop cannot say "part of message i", so the server renders the conversation itself, cuts every message
+into segments at reasoning boundaries (`split_segments`), and sends the engine a segments prompt in which
+the reasoning of message i is its own owner: the drop becomes `{last segment of i: [reasoning segments]}`
+and the client's message-level operations are renumbered into segment ids (`to_segments`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+from minakv.server.protocol import ChatCompletionRequest, RequestError
+
+
+@dataclass
+class CacheOps:
+    drop: dict[int, list[int]] = field(default_factory=dict)  # trigger message -> dropped messages
+    reposition: list[int] = field(default_factory=list)
+    thinking_drop: bool = False
+    drop_param: str = "cache.drop"  # the field the client used, for error messages
+    reposition_param: str = "cache.reposition"
+
+    def engine_form(self) -> dict:
+        """The engine's cache dict (message-level operations only)."""
+        return {"drop": {n: list(ids) for n, ids in self.drop.items()}, "reposition": list(self.reposition)}
+
+
+def has_cache_ops(req: ChatCompletionRequest) -> bool:
+    """Whether the request carries any cache-operation field (AKV's "context mode": usage details)."""
+    return any(f is not None for f in (req.cache, req.drop_message, req.drop_rule, req.reposition))
+
+
+def parse_cache_ops(req: ChatCompletionRequest) -> CacheOps | None:
+    """Read the operations of either spelling from `req`, checked against len(req.messages)."""
+    if not has_cache_ops(req):
+        return None
+    if req.cache is not None and (req.drop_message is not None or req.drop_rule is not None):
+        raise RequestError("give drops either in `cache` or in `drop_message`/`drop_rule`, not both", "cache")
+    if req.cache is not None and req.reposition is not None:
+        raise RequestError(
+            "give `reposition` either inside `cache` or at the top level, not both", "reposition"
+        )
+    if req.drop_message is not None and req.drop_rule is not None:
+        raise RequestError(
+            "`drop_message` and `drop_rule` are two forms of the same drop; give one", "drop_rule"
+        )
+    ops = CacheOps()
+    if req.cache is not None:
+        ops.drop = dict(req.cache.drop or {})
+        ops.reposition = list(req.cache.reposition or [])
+    else:
+        ops.reposition_param = "reposition"
+        ops.reposition = list(req.reposition or [])
+        if req.drop_message is not None:
+            ops.drop, ops.drop_param = dict(req.drop_message), "drop_message"
+        elif req.drop_rule is not None:
+            ops.drop, ops.thinking_drop, ops.drop_param = read_drop_rule(req.drop_rule)
+    check_drops(ops.drop, ops.drop_param)
+    check_reposition(ops.reposition, ops.reposition_param)
+    return ops
+
+
+def read_drop_rule(rule) -> tuple[dict[int, list[int]], bool, str]:
+    if rule.type == "message_drop":
+        if rule.drop_messages is None:
+            raise RequestError(
+                "drop_rule of type message_drop needs `drop_messages`", "drop_rule.drop_messages"
+            )
+        return dict(rule.drop_messages), False, "drop_rule.drop_messages"
+    if rule.type == "thinking_drop":
+        if rule.drop_messages is not None:
+            raise RequestError(
+                "drop_rule of type thinking_drop takes no `drop_messages`", "drop_rule.drop_messages"
+            )
+        return {}, True, "drop_rule"
+    raise RequestError(
+        f"unknown drop_rule type {rule.type!r}: expected 'message_drop' or 'thinking_drop'", "drop_rule.type"
+    )
+
+
+def check_drops(drop: dict[int, list[int]], param: str) -> None:
+    """Trigger n drops messages i <= n (so ids are < len(messages) whenever the trigger is); a trigger
+    >= len(messages) is a future event, accepted and ignored."""
+    for trigger, ids in drop.items():
+        if trigger < 0:
+            raise RequestError(f"{param}: trigger message id {trigger} is negative", param)
+        for i in ids:
+            if i < 0:
+                raise RequestError(f"{param}[{trigger}]: dropped message id {i} is negative", param)
+            if i > trigger:
+                raise RequestError(
+                    f"{param}[{trigger}]: message {i} is after its trigger {trigger}; a drop can only remove "
+                    "messages up to and including the one that triggers it",
+                    param,
+                )
+
+
+def check_reposition(reposition: list[int], param: str) -> None:
+    for a, b in pairwise(reposition):
+        if b <= a:
+            raise RequestError(f"{param} must be strictly increasing message ids, got {reposition}", param)
+    if reposition and reposition[0] < 0:
+        raise RequestError(f"{param}: message id {reposition[0]} is negative", param)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# thinking_drop: segments at reasoning boundaries
+
+
+@dataclass
+class Segments:
+    token_ids: list[list[int]]  # one token list per segment (= per owner in the engine's segments form)
+    of_message: list[list[int]]  # message id -> its segment ids, in order (possibly empty)
+    reasoning: list[bool]  # per segment: holds an assistant message's reasoning
+
+
+def split_segments(
+    token_ids: list[int], owners: list[int], reasoning: list[bool], num_messages: int
+) -> Segments:
+    """Cut the rendered tokens wherever the owner or the reasoning flag changes. Owners must be monotone
+    (0..num_messages; the generation prompt is owner num_messages)."""
+    if not (len(token_ids) == len(owners) == len(reasoning)):
+        raise ValueError("token_ids, owners and reasoning flags must have the same length")
+    segs = Segments([], [[] for _ in range(num_messages + 1)], [])
+    prev: tuple[int, bool] | None = None
+    for tok, owner, flag in zip(token_ids, owners, reasoning):
+        owner = min(max(owner, 0), num_messages)
+        if prev is not None and owner < prev[0]:
+            raise ValueError(f"token owners are not monotone ({prev[0]} then {owner})")
+        if (owner, flag) != prev:
+            segs.of_message[owner].append(len(segs.token_ids))
+            segs.token_ids.append([])
+            segs.reasoning.append(flag)
+            prev = (owner, flag)
+        segs.token_ids[-1].append(tok)
+    return segs
+
+
+def _last_segment_upto(segs: Segments, message: int) -> int | None:
+    """The last segment of the latest message <= `message` that owns tokens: a boundary placed after
+    message m is the first token after that segment."""
+    for m in range(min(message, len(segs.of_message) - 1), -1, -1):
+        if segs.of_message[m]:
+            return segs.of_message[m][-1]
+    return None
+
+
+def to_segments(ops: CacheOps, segs: Segments, num_messages: int) -> dict:
+    """The engine's cache dict over segment ids: message operations renumbered, plus the reasoning drops
+    when `ops.thinking_drop`. Operations after the last message (future events) are left out."""
+    drop: dict[int, set[int]] = {}
+    for trigger, ids in ops.drop.items():
+        if trigger >= num_messages:
+            continue
+        at = _last_segment_upto(segs, trigger)
+        dropped = {s for i in ids for s in segs.of_message[i]}
+        if at is not None and dropped:
+            drop.setdefault(at, set()).update(dropped)
+    if ops.thinking_drop:
+        for m in range(num_messages):
+            mine = [s for s in segs.of_message[m] if segs.reasoning[s]]
+            if mine:
+                drop.setdefault(segs.of_message[m][-1], set()).update(mine)
+    reposition = sorted(
+        {s for m in ops.reposition if m < num_messages and (s := _last_segment_upto(segs, m)) is not None}
+    )
+    return {"drop": {n: sorted(ids) for n, ids in sorted(drop.items())}, "reposition": reposition}

@@ -1,0 +1,124 @@
+"""Engine increments -> OpenAI response pieces: parsed chat messages and deltas, and logprobs.
+
+The model writes one text stream; a chat response separates it into `reasoning_content`, `content` and
+`tool_calls` with the family's output parser (minakv/model/parsers.py: harmony channels for GPT-OSS,
+`<think>` and `<minimax:tool_call>` for MiniMax-M2). Streaming feeds the same parser increment by
+increment, so the deltas add up to the non-streamed message.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from minakv.model.tokenizer import byte_to_unicode
+from minakv.sampling import RequestOutput, TokenLogprob
+from minakv.server.protocol import (
+    ChoiceLogprobs,
+    CompletionLogprobs,
+    Delta,
+    ResponseMessage,
+    TokenLogprobInfo,
+    TopLogprob,
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in byte_to_unicode().items()}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The exact bytes of one token (byte-level BPE pieces mapped back; others as UTF-8)."""
+    if tokenizer is None:
+        return str(token_id).encode()
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return b""
+    table = _unicode_to_byte()
+    if all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return piece.encode()
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return token_bytes(tokenizer, token_id).decode("utf-8", errors="replace")
+
+
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> list[TokenLogprobInfo]:
+    def top(tid: int, lp: float) -> TopLogprob:
+        b = token_bytes(tokenizer, tid)
+        return TopLogprob(b.decode("utf-8", errors="replace"), lp, list(b))
+
+    out = []
+    for lp in lps:
+        b = token_bytes(tokenizer, lp.token_id)
+        out.append(
+            TokenLogprobInfo(
+                b.decode("utf-8", errors="replace"), lp.logprob, list(b), [top(t, v) for t, v in lp.top]
+            )
+        )
+    return out
+
+
+class CompletionLogprobsBuilder:
+    """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, engine: Any, offset: int = 0) -> None:
+        self.tokenizer = engine.tokenizer
+        self.offset = offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, out: RequestOutput) -> CompletionLogprobsBuilder:
+        for lp in out.logprobs or []:
+            text = token_text(self.tokenizer, lp.token_id)
+            self.tokens.append(text)
+            self.token_logprobs.append(lp.logprob)
+            self.top.append({token_text(self.tokenizer, t): v for t, v in lp.top})
+            self.text_offset.append(self.offset)
+            self.offset += len(text)
+        return self
+
+    def build(self) -> CompletionLogprobs:
+        return CompletionLogprobs(self.tokens, self.token_logprobs, self.top, self.text_offset)
+
+
+class ChatParser:
+    """Accumulates a chat response from increments; `deltas` for streaming, `message` at the end."""
+
+    def __init__(self, engine: Any, tools_on: bool) -> None:
+        self.tokenizer = engine.tokenizer
+        self.tools_on = tools_on
+        self.text = ""
+        self.lps: list[TokenLogprob] = []
+        self.want_logprobs = False
+        self.tool_calls_seen = False
+
+    def feed(self, out: RequestOutput) -> None:
+        self.text += out.text
+        if out.logprobs is not None:
+            self.want_logprobs = True
+            self.lps += out.logprobs
+
+    def deltas(self, out: RequestOutput) -> list[tuple[Delta, ChoiceLogprobs | None]]:
+        self.feed(out)
+        lps = ChoiceLogprobs(chat_logprobs(self.tokenizer, out.logprobs)) if out.logprobs else None
+        if not out.text and lps is None:
+            return []
+        return [(Delta(content=out.text), lps)]
+
+    def message(self, finish_reason: str | None) -> tuple[ResponseMessage, str | None]:
+        return ResponseMessage(content=self.text), self.finish_reason(finish_reason)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.tool_calls_seen and reason == "stop" else reason
+
+    def logprobs_all(self) -> ChoiceLogprobs | None:
+        return ChoiceLogprobs(chat_logprobs(self.tokenizer, self.lps)) if self.want_logprobs else None
+
+
+def thinking_drop_prompt(engine: Any, prompt: dict, ops: Any) -> dict:
+    raise NotImplementedError

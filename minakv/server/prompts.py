@@ -1,0 +1,183 @@
+"""Decoded requests -> what the engine takes: a prompt (one of the engine's prompt forms) and SamplingParams.
+
+Everything the engine would reject for a reason the client can name is checked here first, so the error
+body names the request field (`messages[2].content`, `top_logprobs`, ...) rather than an engine internal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from minakv.sampling import SamplingParams
+from minakv.server.ops import CacheOps, parse_cache_ops
+from minakv.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    RequestError,
+    SamplingFields,
+)
+
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+)
+
+
+def check_common(req: SamplingFields, served_names: set[str]) -> None:
+    if req.model not in served_names:
+        raise RequestError(
+            f"The model {req.model!r} does not exist; this server serves {sorted(served_names)}",
+            "model",
+            code="model_not_found",
+        )
+    if req.n != 1:
+        raise RequestError("only n=1 is supported", "n")
+    if req.presence_penalty or req.frequency_penalty:
+        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
+        raise RequestError(f"{param} is not supported (must be 0)", param)
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the request, checked with the engine's own rules; `max_tokens` None means the
+    model's limit (the engine stops at the last position it may use)."""
+    params = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else SamplingParams.max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None or req.top_k == 0 else req.top_k,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    )
+    try:
+        params.check()
+    except ValueError as e:
+        message = str(e)
+        raise RequestError(
+            message, next((f for f in SAMPLING_FIELDS if message.startswith(f)), None)
+        ) from None
+    return params
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Chat
+
+
+def message_dict(msg: ChatMessage, index: int) -> dict[str, Any]:
+    """One message as the renderer takes it: OpenAI's shape, text parts joined, reasoning under
+    `reasoning_content`."""
+    out: dict[str, Any] = msgspec.to_builtins(msg)
+    if isinstance(msg.content, list):
+        for j, part in enumerate(msg.content):
+            if part.type != "text" or part.text is None:
+                raise RequestError(
+                    f"only text content parts are supported, got type {part.type!r}",
+                    f"messages[{index}].content[{j}]",
+                )
+        out["content"] = "".join(part.text or "" for part in msg.content)
+    if msg.reasoning is not None:
+        out.pop("reasoning")
+        out.setdefault("reasoning_content", msg.reasoning)
+    if msg.role == "tool" and msg.content is None:
+        raise RequestError("a tool message needs `content`", f"messages[{index}].content")
+    return out
+
+
+def tool_choice_mode(req: ChatCompletionRequest) -> str:
+    """'auto' (tools rendered, calls parsed) or 'none' (no tools at all)."""
+    choice = req.tool_choice
+    if choice is None or choice == "auto":
+        return "auto" if req.tools else "none"
+    if choice == "none":
+        return "none"
+    if choice == "required" or isinstance(choice, dict):
+        raise RequestError(
+            "tool_choice 'required' or a named function needs constrained decoding, which minakv does not "
+            "have; use 'auto' or 'none'",
+            "tool_choice",
+        )
+    raise RequestError(
+        f"tool_choice must be 'auto', 'none', 'required' or an object, got {choice!r}", "tool_choice"
+    )
+
+
+def chat_prompt(req: ChatCompletionRequest) -> tuple[dict[str, Any], CacheOps | None, bool]:
+    """The engine's messages prompt, the parsed cache operations, and whether tool calls are parsed."""
+    if not req.messages:
+        raise RequestError("messages must not be empty", "messages")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise RequestError("response_format other than 'text' is not supported", "response_format")
+    tools_on = tool_choice_mode(req) == "auto"
+    prompt: dict[str, Any] = {"messages": [message_dict(m, i) for i, m in enumerate(req.messages)]}
+    if tools_on:
+        prompt["tools"] = [msgspec.to_builtins(t) for t in req.tools or []]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        if req.reasoning_effort not in ("low", "medium", "high"):
+            raise RequestError(
+                f"reasoning_effort must be 'low', 'medium' or 'high', got {req.reasoning_effort!r}",
+                "reasoning_effort",
+            )
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    if kwargs:
+        prompt["chat_template_kwargs"] = kwargs
+    ops = parse_cache_ops(req)
+    if ops is not None and not ops.thinking_drop:
+        prompt["cache"] = ops.engine_form()
+    return prompt, ops, tools_on
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    if not req.logprobs:
+        return None
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise RequestError(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
+    return req.top_logprobs or 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Completions
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """Text or token ids. A list holding one prompt is unwrapped; batches are refused."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt must not be empty", "prompt")
+        return prompt
+    if not prompt:
+        raise RequestError("prompt must not be empty", "prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise RequestError("prompt token ids must be non-negative", "prompt")
+        return list(prompt)
+    if all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError("batched prompts are not supported; send one prompt per request", "prompt")
+    raise RequestError("prompt must be a string or a list of token ids", "prompt")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    if req.echo:
+        raise RequestError("echo is not supported", "echo")
+    if req.suffix:
+        raise RequestError("suffix is not supported", "suffix")
+    if req.best_of not in (None, 1):
+        raise RequestError("best_of is not supported", "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise RequestError(f"logprobs must be in [0, 20], got {req.logprobs}", "logprobs")

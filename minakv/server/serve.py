@@ -1,0 +1,63 @@
+"""`minakv serve MODEL`: parse the flags, load the engine, run the HTTP server until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from aiohttp import web
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="minakv serve", description="OpenAI-compatible HTTP server for one model."
+    )
+    p.add_argument("model", help="a local Hugging Face model folder, a hub id, or a built-in tiny preset")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--page-size", type=int, default=16, help="KV slots per page")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in positions")
+    p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before HTTP 503")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoding at once")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (MiB)")
+    return p
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from minakv.engine import Engine  # heavy import after argument errors are reported
+    from minakv.server.app import make_app
+
+    kwargs = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "page_size": args.page_size,
+        "kv_cache_tokens": args.kv_cache_tokens,
+        "max_model_len": args.max_model_len,
+        "max_queued_requests": args.max_queued_requests,
+    }
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    try:
+        engine = Engine(args.model, **kwargs)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"minakv serve: {e}", file=sys.stderr)
+        return 2
+    app = make_app(engine, args.served_model_name, args.api_key, int(args.max_body_mb * (1 << 20)))
+    print(
+        f"minakv: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}",
+        flush=True,
+    )
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve_main())

@@ -1,0 +1,173 @@
+"""Server pieces that need no engine: request decoding errors, cache-operation forms, segment renumbering."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import numpy as np
+import pytest
+
+from minakv.cache.program import compile_program
+from minakv.server.ops import parse_cache_ops, split_segments, to_segments
+from minakv.server.prompts import chat_prompt, completion_prompt, sampling_params
+from minakv.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, decode_request
+
+MSGS = [
+    {"role": "system", "content": "s"},
+    {"role": "user", "content": "u"},
+    {"role": "assistant", "content": "a"},
+    {"role": "user", "content": "q"},
+]
+
+
+def chat(**extra) -> ChatCompletionRequest:
+    return decode_request(json.dumps({"model": "m", "messages": MSGS, **extra}).encode(), ChatCompletionRequest)
+
+
+def error_of(fn, *args, **kwargs) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        (b"{not json", None, "Invalid JSON"),
+        (b"[]", None, "Expected `object`"),
+        (b'{"messages": []}', None, "missing required field `model`"),
+        (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role", "wizard"),
+        (b'{"model": "m", "messages": [], "max_tokens": "many"}', "max_tokens", "Expected `int | null`"),
+        (b'{"model": "m", "messages": [], "temperature": true}', "temperature", "Expected `float | null`"),
+        (b'{"model": "m", "messages": [], "drop_message": {"x": [0]}}', "drop_message", "Expected `int`"),
+        (b'{"model": "m", "messages": [], "cache": {"drop": {}, "extra": 1}}', "cache", "unknown field `extra`"),
+    ],
+)
+def test_decode_errors_name_the_field(body: bytes, param: str | None, words: str) -> None:
+    err = error_of(decode_request, body, ChatCompletionRequest)
+    assert err.status == 400 and err.param == param and words in err.message
+
+
+def test_both_forms_and_paper_form() -> None:
+    ops = parse_cache_ops(chat(cache={"drop": {"2": [0, 1]}, "reposition": [2]}))
+    assert ops.engine_form() == {"drop": {2: [0, 1]}, "reposition": [2]}
+    ops = parse_cache_ops(chat(drop_message={"3": [1, 2]}, reposition=[3]))
+    assert ops.engine_form() == {"drop": {3: [1, 2]}, "reposition": [3]} and ops.drop_param == "drop_message"
+    ops = parse_cache_ops(chat(drop_rule={"type": "message_drop", "drop_messages": {"2": [0]}}))
+    assert ops.engine_form() == {"drop": {2: [0]}, "reposition": []}
+    ops = parse_cache_ops(chat(drop_rule={"type": "thinking_drop"}))
+    assert ops.thinking_drop and ops.drop == {}
+    assert parse_cache_ops(chat()) is None
+    assert parse_cache_ops(chat(drop_message={})) is not None  # present-but-empty is still "context mode"
+    # the engine form goes into the prompt as is
+    prompt, ops, _ = chat_prompt(chat(drop_message={"3": [1]}))
+    assert prompt["cache"] == {"drop": {3: [1]}, "reposition": []}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"drop_message": {"2": [0]}, "drop_rule": {"type": "thinking_drop"}}, "drop_rule", "give one"),
+        ({"cache": {"drop": {"2": [0]}}, "drop_message": {"2": [0]}}, "cache", "not both"),
+        ({"cache": {"reposition": [1]}, "reposition": [2]}, "reposition", "not both"),
+        ({"drop_message": {"1": [2]}}, "drop_message", "after its trigger"),
+        ({"drop_message": {"-1": [0]}}, "drop_message", "negative"),
+        ({"cache": {"drop": {"2": [-1]}}}, "cache.drop", "negative"),
+        ({"reposition": [2, 2]}, "reposition", "strictly increasing"),
+        ({"cache": {"reposition": [3, 1]}}, "cache.reposition", "strictly increasing"),
+        ({"drop_rule": {"type": "text_drop"}}, "drop_rule.type", "unknown drop_rule type"),
+        ({"drop_rule": {"type": "message_drop"}}, "drop_rule.drop_messages", "needs `drop_messages`"),
+    ],
+)
+def test_invalid_operations(extra: dict, param: str, words: str) -> None:
+    err = error_of(parse_cache_ops, chat(**extra))
+    assert err.status == 400 and err.param == param and words in err.message
+
+
+def test_chat_prompt_checks() -> None:
+    assert error_of(chat_prompt, chat(tool_choice="required")).param == "tool_choice"
+    assert error_of(chat_prompt, chat(reasoning_effort="max")).param == "reasoning_effort"
+    parts = [{"role": "user", "content": [{"type": "image_url"}]}]
+    req = decode_request(json.dumps({"model": "m", "messages": parts}).encode(), ChatCompletionRequest)
+    assert error_of(chat_prompt, req).param == "messages[0].content[0]"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    req = decode_request(
+        json.dumps({"model": "m", "messages": msgs, "tools": tools, "reasoning_effort": "low"}).encode(),
+        ChatCompletionRequest,
+    )
+    prompt, ops, tools_on = chat_prompt(req)
+    assert tools_on and ops is None
+    assert prompt == {
+        "messages": [{"role": "user", "content": "ab"}],
+        "tools": [{"function": {"name": "f", "parameters": {"type": "object"}}, "type": "function"}],
+        "chat_template_kwargs": {"reasoning_effort": "low"},
+    }
+    # tool_choice none: the tools are not rendered (and calls are not parsed)
+    prompt, _, tools_on = chat_prompt(msgspec.structs.replace(req, tool_choice="none"))
+    assert not tools_on and "tools" not in prompt
+
+
+def test_sampling_params_errors_name_the_field() -> None:
+    err = error_of(sampling_params, chat(temperature=-1.0), 8, None)
+    assert err.param == "temperature" and "temperature" in err.message
+    err = error_of(sampling_params, chat(top_p=0.0), 8, None)
+    assert err.param == "top_p"
+    params = sampling_params(chat(temperature=0.0, seed=3, stop=["x"]), 8, 2)
+    assert (params.temperature, params.seed, params.stop, params.max_tokens, params.logprobs) == (0.0, 3, ["x"], 8, 2)
+
+
+def test_completion_prompts() -> None:
+    def req(prompt):
+        return decode_request(json.dumps({"model": "m", "prompt": prompt}).encode(), CompletionRequest)
+
+    assert completion_prompt(req("hi")) == "hi"
+    assert completion_prompt(req([1, 2, 3])) == [1, 2, 3]
+    assert completion_prompt(req([[1, 2]])) == [1, 2]
+    assert "batched" in error_of(completion_prompt, req(["a", "b"])).message
+    assert error_of(completion_prompt, req([1, "a"])).param == "prompt"
+    assert error_of(completion_prompt, req([])).param == "prompt"
+    assert error_of(completion_prompt, req([-1])).param == "prompt"
+
+
+def walk_visible_until(owners: list[int], num_messages: int, cache: dict) -> np.ndarray:
+    return compile_program(owners, num_messages, cache["drop"], cache["reposition"]).visible_until
+
+
+def test_thinking_drop_segments_drop_reasoning_at_end_of_its_message() -> None:
+    # messages: 0 user, 1 assistant (header, reasoning, content), 2 user, 3 assistant (reasoning only at the
+    # start), then the generation prompt (owner 4)
+    owners = [0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3, 4]
+    reasoning = [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+    tokens = list(range(100, 100 + len(owners)))
+    segs = split_segments(tokens, owners, [bool(r) for r in reasoning], 4)
+    assert [len(s) for s in segs.token_ids] == [2, 1, 2, 3, 2, 1, 2, 1]
+    assert segs.of_message == [[0], [1, 2, 3], [4], [5, 6], [7]]
+    assert sum(segs.token_ids, []) == tokens
+    ops = parse_cache_ops(chat(drop_rule={"type": "thinking_drop"}, reposition=[2]))
+    cache = to_segments(ops, segs, 4)
+    assert cache == {"drop": {3: [2], 6: [5]}, "reposition": [4]}
+    seg_owners = [i for i, s in enumerate(segs.token_ids) for _ in s]
+    visible = walk_visible_until(seg_owners, len(segs.token_ids) - 1, cache)
+    never = np.iinfo(np.int64).max
+    # reasoning of message 1 (tokens 3,4) vanishes at the first token after message 1 (token 8); message 3's
+    # reasoning (token 10) at the first generation-prompt token (13); nothing else is dropped
+    expected = [never] * len(owners)
+    expected[3] = expected[4] = 8
+    expected[10] = 13
+    assert visible.tolist() == expected
+
+
+def test_message_ops_renumbered_into_segments() -> None:
+    owners = [0, 0, 1, 1, 1, 2, 3, 3]
+    reasoning = [False, False, False, True, False, False, False, False]
+    segs = split_segments(list(range(8)), owners, reasoning, 3)
+    req = chat(drop_message={"2": [1], "7": [0]}, reposition=[1, 9])  # 7 and 9: future events, left out
+    cache = to_segments(parse_cache_ops(req), segs, 3)
+    assert cache == {"drop": {4: [1, 2, 3]}, "reposition": [3]}
+    seg_owners = [i for i, s in enumerate(segs.token_ids) for _ in s]
+    msg_prog = compile_program(owners, 3, {2: [1]}, [1])
+    seg_prog = compile_program(seg_owners, len(segs.token_ids) - 1, cache["drop"], cache["reposition"])
+    assert seg_prog.visible_until.tolist() == msg_prog.visible_until.tolist()
+    assert seg_prog.birth_pos.tolist() == msg_prog.birth_pos.tolist()
