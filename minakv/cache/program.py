@@ -1,0 +1,337 @@
+"""Compile a request into a program: where every token sits, and what every query sees.
+
+A request is a token sequence whose tokens have owners (message ids), plus cache operations:
+`drop: {trigger: [ids]}` and `reposition: [ids]` (DESIGN.md 2.2). Compilation runs the walk of DESIGN.md
+2.3 once, in bulk, and keeps just enough to answer every later question cheaply:
+
+    token:          0   1   2   3   4   5   6   7        drop {1: [0]}, reposition [1]
+    owner:          0   0   1   1   2   2   2   2        (messages 0, 1, 2)
+    visible until:  4   4   -   -   -   -   -   -   <- tokens 0,1 are dropped before token 4 is born
+    birth position: 0   1   2   3   2   3   4   5   <- then the reposition moves 2,3 to positions 0,1,
+                                                       so token 4 is born at 2 (stage 1)
+
+- `birth_pos[t]`: the position token t is born at; `visible_until[t]`: the first query that no longer sees
+  it (`NEVER` if no drop in this request removes it).
+- Stages: each effective reposition starts a new stage. In stage s the tokens that were active at its start
+  (`survivors[s]`, in logical order) sit at positions 0..A-1, and tokens born in the stage follow. So the
+  position of any token in any stage is one `searchsorted` away, and nothing is stored per (token, stage).
+
+Generated tokens continue the walk: token T + j (T = prompt length) is born at `next_pos + j`, in the last
+stage, and is never dropped. Every method taking token indices accepts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from itertools import pairwise
+
+import numpy as np
+
+NEVER = np.iinfo(np.int64).max  # visible_until of a token no drop of this request removes
+
+
+class CacheOpError(ValueError):
+    """An invalid cache operation (or owner list); the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Queries that see the same earlier keys at the same positions (DESIGN.md 3.3).
+
+    Query i of the segment sees `keys` at `key_positions`, plus `queries[: i + 1]` at their
+    `query_positions` (its own causal prefix). Keys come before the queries and, like every active token,
+    sit at increasing positions in logical order; windows and sinks are applied by attention, by position.
+    """
+
+    queries: np.ndarray  # int64 token indices, consecutive
+    query_positions: np.ndarray  # int64
+    keys: np.ndarray  # int64 token indices < queries[0], increasing
+    key_positions: np.ndarray  # int64, increasing
+
+
+@dataclass(frozen=True)
+class Program:
+    owners: np.ndarray  # int64 [T], non-decreasing, in 0..num_messages
+    num_messages: int  # N; owner N is the generation prompt
+    drops: dict[int, list[int]]  # validated drops with trigger < N, ascending triggers
+    repositions: list[int]  # validated reposition ids < N (no-ops included)
+    birth_pos: np.ndarray  # int64 [T]
+    visible_until: np.ndarray  # int64 [T]: first query index that no longer sees the token, or NEVER
+    drop_ranges: dict[int, list[tuple[int, int]]]  # drop point -> token ranges [lo, hi) newly dropped there
+    stage_starts: np.ndarray  # int64 [S]: 0, then the point of each effective reposition
+    survivors: list[np.ndarray]  # [S]: tokens active at each stage's start, position = index (empty for 0)
+    next_pos: int  # position of the first generated token
+    max_positions: int | None
+
+    # -- per-token facts ------------------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.owners)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_starts)
+
+    def stage_of(self, tokens: Iterable[int] | np.ndarray) -> np.ndarray:
+        """The stage each query lives in (the number of effective repositions before it)."""
+        return np.searchsorted(self.stage_starts, np.asarray(tokens, dtype=np.int64), side="right") - 1
+
+    def birth_positions(self, tokens: Iterable[int] | np.ndarray) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.int64)
+        prompt = t < self.num_tokens
+        generated = self.next_pos + (t - self.num_tokens)
+        return np.where(prompt, self.birth_pos[np.where(prompt, t, 0)] if self.num_tokens else 0, generated)
+
+    def drop_points(self, tokens: Iterable[int] | np.ndarray) -> np.ndarray:
+        """visible_until for any token index (generated tokens: NEVER)."""
+        t = np.asarray(tokens, dtype=np.int64)
+        prompt = t < self.num_tokens
+        if not self.num_tokens:
+            return np.full(t.shape, NEVER, dtype=np.int64)
+        return np.where(prompt, self.visible_until[np.where(prompt, t, 0)], NEVER)
+
+    def positions_at(self, tokens: Iterable[int] | np.ndarray, stage: int) -> np.ndarray:
+        """Positions of tokens in a stage; each must be a survivor of the stage or born in or before it."""
+        t = np.asarray(tokens, dtype=np.int64)
+        return _stage_positions(
+            t, int(self.stage_starts[stage]), self.survivors[stage], self.birth_positions(t)
+        )
+
+    def stages_of(self, token: int) -> list[tuple[int, int]]:
+        """(stage, position) for every stage the token lives through: birth, then each reposition."""
+        born = int(self.stage_of([token])[0])
+        out = [(born, int(self.birth_positions([token])[0]))]
+        for s in range(born + 1, self.num_stages):
+            rank = int(np.searchsorted(self.survivors[s], token))
+            if rank < len(self.survivors[s]) and self.survivors[s][rank] == token:
+                out.append((s, rank))
+        return out
+
+    # -- what queries see -----------------------------------------------------------------------------
+
+    def active_before(self, query: int) -> tuple[np.ndarray, np.ndarray]:
+        """The earlier tokens query `query` sees and their positions at that point (DESIGN.md 2.3)."""
+        prompt = min(query, self.num_tokens)
+        keys = np.nonzero(self.visible_until[:prompt] > query)[0].astype(np.int64)
+        if query > self.num_tokens:
+            keys = np.concatenate([keys, np.arange(self.num_tokens, query, dtype=np.int64)])
+        return keys, self.positions_at(keys, int(self.stage_of([query])[0]))
+
+    def visible(self, query: int) -> tuple[np.ndarray, np.ndarray]:
+        """Everything query `query` attends to (itself included) and the positions it sees them at."""
+        keys, pos = self.active_before(query)
+        stage = int(self.stage_of([query])[0])
+        return np.append(keys, query), np.append(pos, self.positions_at([query], stage))
+
+    def cut_points(self, a: int, b: int) -> np.ndarray:
+        """Drop and reposition points strictly inside (a, b): where visibility changes."""
+        points = [p for p in self.drop_ranges if a < p < b]
+        points += [int(s) for s in self.stage_starts if a < s < b]
+        return np.unique(np.asarray(points, dtype=np.int64))
+
+    def segments(self, a: int, b: int) -> list[Segment]:
+        """Cut the queries [a, b) (a chunk; may run past the prompt into generated tokens) into segments."""
+        bounds = [a, *self.cut_points(a, b).tolist(), b]
+        out = []
+        for s, e in pairwise(bounds):
+            keys, key_pos = self.active_before(s)
+            queries = np.arange(s, e, dtype=np.int64)
+            out.append(Segment(queries, self.birth_positions(queries), keys, key_pos))
+        return out
+
+    # -- the state after the prompt ---------------------------------------------------------------------
+
+    @property
+    def final_active(self) -> np.ndarray:
+        """Prompt tokens the first generated token sees (after the events at the end of the prompt)."""
+        return np.nonzero(self.visible_until == NEVER)[0].astype(np.int64)
+
+    @property
+    def final_positions(self) -> np.ndarray:
+        return self.positions_at(self.final_active, self.num_stages - 1)
+
+    @property
+    def last_positions(self) -> np.ndarray:
+        """Per prompt token, the position it holds when last seen: its final position if still active,
+        else its position just before it was dropped. This is the position cached KV is kept at."""
+        last_query = np.where(self.visible_until == NEVER, self.num_tokens, self.visible_until - 1)
+        stages = self.stage_of(last_query)
+        out = np.empty(self.num_tokens, dtype=np.int64)
+        for s in np.unique(stages):
+            mask = stages == s
+            out[mask] = self.positions_at(np.nonzero(mask)[0], int(s))
+        return out
+
+    def room(self) -> int | None:
+        """How many tokens can still be generated before a position reaches max_positions."""
+        return None if self.max_positions is None else self.max_positions - self.next_pos
+
+    def events_at(self, point: int) -> tuple[list[tuple[int, int]], bool]:
+        """The events just before token `point` is born: dropped token ranges, and an effective reposition."""
+        return self.drop_ranges.get(point, []), bool(point > 0 and point in self.stage_starts)
+
+
+# -- compilation ------------------------------------------------------------------------------------------
+
+
+def compile_program(
+    owners: Iterable[int],
+    num_messages: int,
+    drop: Mapping[int | str, Iterable[int]] | None = None,
+    reposition: Iterable[int] | None = None,
+    max_positions: int | None = None,
+) -> Program:
+    """Run the walk of DESIGN.md 2.3 in bulk. Raises CacheOpError on any invalid operation."""
+    owner_arr = _check_owners(owners, num_messages)
+    drops = _parse_drop(drop, num_messages)
+    repositions = _parse_reposition(reposition, num_messages)
+    n = len(owner_arr)
+
+    def first_token_of(m: int) -> int:
+        return int(np.searchsorted(owner_arr, m, side="left"))
+
+    def first_token_after(m: int) -> int:
+        return int(np.searchsorted(owner_arr, m, side="right"))
+
+    # Drops: where each message stops being visible. An id dropped by an earlier trigger is ignored.
+    visible_until = np.full(n, NEVER, dtype=np.int64)
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    dropped: set[int] = set()
+    for trigger, ids in drops.items():
+        point = first_token_after(trigger)
+        for m in ids:
+            if m in dropped:
+                continue
+            dropped.add(m)
+            lo, hi = first_token_of(m), first_token_after(m)
+            if lo < hi:
+                visible_until[lo:hi] = point
+                ranges.setdefault(point, []).append((lo, hi))
+    drop_ranges = {p: _merge(r) for p, r in sorted(ranges.items())}
+
+    # Repositions: births advance one position per token; an effective reposition starts a new stage.
+    birth = np.empty(n, dtype=np.int64)
+    starts, survivors = [0], [np.zeros(0, dtype=np.int64)]
+    next_pos, done = 0, 0
+    for m in repositions:
+        point = first_token_after(m)
+        birth[done:point] = np.arange(next_pos, next_pos + point - done)
+        next_pos, done = next_pos + point - done, point
+        active = np.nonzero(visible_until[:point] > point)[0].astype(np.int64)
+        if len(active) == 0:
+            raise CacheOpError(f"reposition: message {m}: nothing is active to reposition at that point")
+        current = _stage_positions(active, starts[-1], survivors[-1], birth[active])
+        if np.array_equal(current, np.arange(len(active))):
+            continue  # a no-op: changes no position, so no new stage (and no new cache version)
+        starts.append(point)
+        survivors.append(active)
+        next_pos = len(active)
+    birth[done:n] = np.arange(next_pos, next_pos + n - done)
+    next_pos += n - done
+
+    if max_positions is not None and n and birth.max() >= max_positions:
+        t = int(np.argmax(birth >= max_positions))
+        raise CacheOpError(
+            f"positions: token {t} would be born at position {int(birth[t])}, reaching "
+            f"max_position_embeddings {max_positions} (drop and reposition earlier)"
+        )
+    return Program(owner_arr, num_messages, drops, repositions, birth, visible_until, drop_ranges,
+                   np.asarray(starts, dtype=np.int64), survivors, next_pos, max_positions)  # fmt: skip
+
+
+def _stage_positions(t: np.ndarray, start: int, survivors: np.ndarray, birth: np.ndarray) -> np.ndarray:
+    """Tokens born before the stage's start sit at their rank among its survivors; later ones at birth."""
+    pos = birth.copy()
+    old = t < start
+    if old.any():
+        ranks = np.searchsorted(survivors, t[old])
+        if (ranks >= len(survivors)).any() or (
+            survivors[np.minimum(ranks, len(survivors) - 1)] != t[old]
+        ).any():
+            raise ValueError(
+                f"some of tokens {t[old].tolist()} are not active after the reposition at {start}"
+            )
+        pos[old] = ranks
+    return pos
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _as_id(value: object, field: str) -> int:
+    """A non-negative integer id; JSON object keys arrive as strings, so digit strings are accepted."""
+    digits = isinstance(value, str) and value.strip().lstrip("-").isdigit()
+    if digits or (isinstance(value, (int, np.integer)) and not isinstance(value, bool)):
+        number = int(value)
+    else:
+        raise CacheOpError(f"{field}: {value!r} is not an integer message id")
+    if number < 0:
+        raise CacheOpError(f"{field}: message id {number} is negative")
+    return number
+
+
+def _check_owners(owners: Iterable[int], num_messages: int) -> np.ndarray:
+    if isinstance(num_messages, bool) or not isinstance(num_messages, (int, np.integer)) or num_messages < 0:
+        raise CacheOpError(f"num_messages: {num_messages!r} is not a non-negative integer")
+    arr = np.asarray(list(owners))
+    if arr.size and arr.dtype.kind not in "iu":
+        raise CacheOpError(f"owners: {arr.dtype} values; owners must be integer message ids")
+    arr = arr.astype(np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > num_messages):
+        bad = int(arr[(arr < 0) | (arr > num_messages)][0])
+        raise CacheOpError(f"owners: owner {bad} is outside 0..{num_messages} (N = {num_messages} messages)")
+    if arr.size > 1 and (np.diff(arr) < 0).any():
+        t = int(np.argmax(np.diff(arr) < 0)) + 1
+        raise CacheOpError(
+            f"owners: owner {int(arr[t])} at token {t} follows {int(arr[t - 1])}; not non-decreasing"
+        )
+    return arr
+
+
+def _parse_drop(drop: Mapping[int | str, Iterable[int]] | None, num_messages: int) -> dict[int, list[int]]:
+    """Validate `drop`; return the drops that happen in this request (trigger < N), ascending."""
+    if drop is None:
+        return {}
+    if not isinstance(drop, Mapping):
+        raise CacheOpError(f"drop: {drop!r} is not a mapping {{trigger: [message ids]}}")
+    out: dict[int, list[int]] = {}
+    for key, ids in drop.items():
+        trigger = _as_id(key, "drop trigger")
+        if trigger in out:
+            raise CacheOpError(f"drop: trigger {trigger} is given twice")
+        if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+            raise CacheOpError(f"drop[{trigger}]: {ids!r} is not a list of message ids")
+        checked = []
+        for value in ids:
+            m = _as_id(value, f"drop[{trigger}]")
+            if trigger < num_messages and m >= num_messages:
+                raise CacheOpError(
+                    f"drop[{trigger}]: message id {m} is out of range ({num_messages} messages)"
+                )
+            if m > trigger:
+                raise CacheOpError(f"drop[{trigger}]: message id {m} is above its trigger {trigger}")
+            checked.append(m)
+        out[trigger] = checked
+    return {t: out[t] for t in sorted(out) if t < num_messages}  # triggers >= N are future events
+
+
+def _parse_reposition(reposition: Iterable[int] | None, num_messages: int) -> list[int]:
+    """Validate `reposition`; return the ids < N (a later one is a future event, like a trigger >= N)."""
+    if reposition is None:
+        return []
+    if isinstance(reposition, (str, bytes, Mapping)) or not isinstance(reposition, Iterable):
+        raise CacheOpError(f"reposition: {reposition!r} is not a list of message ids")
+    ids = [_as_id(value, "reposition") for value in reposition]
+    for a, b in pairwise(ids):
+        if b <= a:
+            raise CacheOpError(f"reposition: {ids} is not strictly increasing ({a} then {b})")
+    return [m for m in ids if m < num_messages]
