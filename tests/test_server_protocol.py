@@ -22,7 +22,9 @@ MSGS = [
 
 
 def chat(**extra) -> ChatCompletionRequest:
-    return decode_request(json.dumps({"model": "m", "messages": MSGS, **extra}).encode(), ChatCompletionRequest)
+    return decode_request(
+        json.dumps({"model": "m", "messages": MSGS, **extra}).encode(), ChatCompletionRequest
+    )
 
 
 def error_of(fn, *args, **kwargs) -> RequestError:
@@ -41,7 +43,11 @@ def error_of(fn, *args, **kwargs) -> RequestError:
         (b'{"model": "m", "messages": [], "max_tokens": "many"}', "max_tokens", "Expected `int | null`"),
         (b'{"model": "m", "messages": [], "temperature": true}', "temperature", "Expected `float | null`"),
         (b'{"model": "m", "messages": [], "drop_message": {"x": [0]}}', "drop_message", "Expected `int`"),
-        (b'{"model": "m", "messages": [], "cache": {"drop": {}, "extra": 1}}', "cache", "unknown field `extra`"),
+        (
+            b'{"model": "m", "messages": [], "cache": {"drop": {}, "extra": 1}}',
+            "cache",
+            "unknown field `extra`",
+        ),
     ],
 )
 def test_decode_errors_name_the_field(body: bytes, param: str | None, words: str) -> None:
@@ -115,7 +121,13 @@ def test_sampling_params_errors_name_the_field() -> None:
     err = error_of(sampling_params, chat(top_p=0.0), 8, None)
     assert err.param == "top_p"
     params = sampling_params(chat(temperature=0.0, seed=3, stop=["x"]), 8, 2)
-    assert (params.temperature, params.seed, params.stop, params.max_tokens, params.logprobs) == (0.0, 3, ["x"], 8, 2)
+    assert (params.temperature, params.seed, params.stop, params.max_tokens, params.logprobs) == (
+        0.0,
+        3,
+        ["x"],
+        8,
+        2,
+    )
 
 
 def test_completion_prompts() -> None:
@@ -144,7 +156,7 @@ def test_thinking_drop_segments_drop_reasoning_at_end_of_its_message() -> None:
     segs = split_segments(tokens, owners, [bool(r) for r in reasoning], 4)
     assert [len(s) for s in segs.token_ids] == [2, 1, 2, 3, 2, 1, 2, 1]
     assert segs.of_message == [[0], [1, 2, 3], [4], [5, 6], [7]]
-    assert sum(segs.token_ids, []) == tokens
+    assert [t for s in segs.token_ids for t in s] == tokens
     ops = parse_cache_ops(chat(drop_rule={"type": "thinking_drop"}, reposition=[2]))
     cache = to_segments(ops, segs, 4)
     assert cache == {"drop": {3: [2], 6: [5]}, "reposition": [4]}

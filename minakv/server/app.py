@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 import time
 import uuid
 from collections import Counter
@@ -53,6 +54,7 @@ SETTINGS = web.AppKey("settings", dict)
 COUNTS = web.AppKey("counts", Counter)
 JSON = "application/json"
 log = logging.getLogger("minakv.server")
+FIELD = re.compile(r"^((?:messages|tools)(?:\[\d+\])?(?:\.\w+|\[\d+\])*)")
 
 
 def make_app(
@@ -148,8 +150,14 @@ async def start(
             param = ops.reposition_param
         raise RequestError(f"invalid cache operation: {e}", param or "cache") from None
     except ValueError as e:
-        raise RequestError(str(e), prompt_param) from None
+        raise bad_prompt(e, prompt_param) from None
     return stream, first
+
+
+def bad_prompt(e: ValueError, default_param: str) -> RequestError:
+    """The renderer's errors start with the message or tools entry at fault: use it as the param."""
+    match = FIELD.match(str(e))
+    return RequestError(str(e), match.group(1) if match else default_param)
 
 
 async def finish(engine: Engine, stream: AsyncIterator[RequestOutput], request_id: str, done: bool) -> None:
@@ -176,7 +184,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = prompts.sampling_params(req, max_tokens or engine.max_model_len, logprobs)
     prompt, ops, tools_on = prompts.chat_prompt(req)
     if ops is not None and ops.thinking_drop:
-        prompt = output.thinking_drop_prompt(engine, prompt, ops)
+        try:
+            prompt = prompts.thinking_drop_prompt(engine.tokenizer, prompt, ops)
+        except RequestError:
+            raise
+        except ValueError as e:
+            raise bad_prompt(e, "messages") from None
     rid, created, model = new_id("chatcmpl"), int(time.time()), settings["names"][0]
     stream, first = await start(engine, prompt, params, rid, ops, "messages")
     parser = output.ChatParser(engine, tools_on)

@@ -175,3 +175,49 @@ def to_segments(ops: CacheOps, segs: Segments, num_messages: int) -> dict:
         {s for m in ops.reposition if m < num_messages and (s := _last_segment_upto(segs, m)) is not None}
     )
     return {"drop": {n: sorted(ids) for n, ids in sorted(drop.items())}, "reposition": reposition}
+
+
+def reasoning_of(message: dict, index: int) -> str | None:
+    """An assistant message's reasoning: `reasoning_content`, or one leading `<think>...</think>` in its
+    content (MiniMax clients replay it that way). Both at once is ambiguous, an unclosed tag malformed."""
+    reasoning = message.get("reasoning_content")
+    content = message.get("content")
+    inline = None
+    if isinstance(content, str) and content.lstrip().startswith("<think>"):
+        body = content.lstrip()[len("<think>") :]
+        if "</think>" not in body:
+            raise RequestError("thinking_drop: unclosed <think> in the content", f"messages[{index}].content")
+        inline = body.split("</think>", 1)[0]
+    if reasoning and inline is not None:
+        raise RequestError(
+            "thinking_drop: reasoning given both as reasoning_content and as <think> in the content",
+            f"messages[{index}]",
+        )
+    text = reasoning if reasoning else inline
+    return text.strip() or None if text else None
+
+
+def reasoning_flags(
+    messages: list[dict], owners: list[int], text: str, offsets: list[tuple[int, int]]
+) -> list[bool]:
+    """Per token: does it belong to the reasoning of the assistant message that owns it? A token is
+    reasoning when its first character lies inside the reasoning text as the template rendered it (the
+    markup around it, such as `<think>` or the analysis header, stays). Reasoning the template did not
+    render (a template that drops old reasoning) has no tokens to drop."""
+    flags = [False] * len(owners)
+    by_owner: dict[int, list[int]] = {}
+    for t, owner in enumerate(owners):
+        by_owner.setdefault(owner, []).append(t)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant" or i not in by_owner:
+            continue
+        reasoning = reasoning_of(message, i)
+        if not reasoning:
+            continue
+        toks = by_owner[i]
+        at = text.find(reasoning, offsets[toks[0]][0], offsets[toks[-1]][1])
+        if at < 0:
+            continue
+        for t in toks:
+            flags[t] = at <= offsets[t][0] < at + len(reasoning)
+    return flags

@@ -118,7 +118,3 @@ class ChatParser:
 
     def logprobs_all(self) -> ChoiceLogprobs | None:
         return ChoiceLogprobs(chat_logprobs(self.tokenizer, self.lps)) if self.want_logprobs else None
-
-
-def thinking_drop_prompt(engine: Any, prompt: dict, ops: Any) -> dict:
-    raise NotImplementedError

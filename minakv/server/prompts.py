@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from minakv.sampling import SamplingParams
-from minakv.server.ops import CacheOps, parse_cache_ops
+from minakv.server.ops import CacheOps, parse_cache_ops, reasoning_flags, split_segments, to_segments
 from minakv.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -136,6 +136,23 @@ def chat_prompt(req: ChatCompletionRequest) -> tuple[dict[str, Any], CacheOps | 
     if ops is not None and not ops.thinking_drop:
         prompt["cache"] = ops.engine_form()
     return prompt, ops, tools_on
+
+
+def thinking_drop_prompt(tokenizer: Any, prompt: dict[str, Any], ops: CacheOps) -> dict[str, Any]:
+    """thinking_drop as a segments prompt (see ops.py): render once, cut at reasoning boundaries,
+    renumber the operations into segment ids."""
+    from minakv.model.chat import render
+
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise RequestError("thinking_drop needs a model with a tokenizer and a chat template", "drop_rule")
+    kwargs = prompt.get("chat_template_kwargs") or {}
+    rendered = render(prompt["messages"], tokenizer, tools=prompt.get("tools"), **kwargs)
+    ids, offsets = tokenizer.encode_with_offsets(rendered.text)
+    if list(ids) != list(rendered.token_ids):  # render() tokenizes the same text the same way
+        raise RuntimeError("re-tokenizing the rendered conversation gave different tokens")
+    flags = reasoning_flags(prompt["messages"], rendered.owners, rendered.text, offsets)
+    segs = split_segments(rendered.token_ids, rendered.owners, flags, rendered.num_messages)
+    return {"segments": segs.token_ids, "cache": to_segments(ops, segs, rendered.num_messages)}
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
