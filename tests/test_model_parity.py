@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from minakv.model import generate_greedy, load_model  # noqa: E402
-from minakv.model.context import DenseContext  # noqa: E402
-from minakv.model.quant import quantize_fp8_block, quantize_mxfp4  # noqa: E402
+from minakv.model import generate_greedy, load_model
+from minakv.model.context import DenseContext
+from minakv.model.quant import quantize_fp8_block, quantize_mxfp4
 
 WINDOW = 5
 TOL = 1e-4
@@ -136,13 +136,13 @@ def compare(path: Path, prompt_len: int, decode_steps: int = 16, seed: int = 1) 
     prompt, rest = tokens[:prompt_len], tokens[prompt_len:]
 
     ref = ref_model(prompt[None], use_cache=True)
-    cache = ref.past_key_values
+    cache = ref.cache
     ctx = DenseContext()
     ctx.advance(prompt_len)
     errors = [rel_err(ours.compute_logits(ours(prompt, ctx)), ref.logits[0])]
     for token in rest:
-        ref = ref_model(token.view(1, 1), past_key_values=cache, use_cache=True)
-        cache = ref.past_key_values
+        ref = ref_model(token.view(1, 1), cache=cache, use_cache=True)
+        cache = ref.cache
         ctx.advance(1)
         errors.append(rel_err(ours.compute_logits(ours(token.view(1), ctx)), ref.logits[0]))
     return errors
