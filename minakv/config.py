@@ -1,0 +1,28 @@
+"""The engine's configuration: one flat dataclass, filled from `Engine(...)` keywords or CLI flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny-gpt-oss"  # local HF directory, hub repo id, or a built-in preset name
+    device: str | None = None  # default: cuda when available, else cpu
+    dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
+    page_size: int = 16  # KV slots per page; any size >= 1
+    kv_cache_tokens: int | None = None  # pool size in tokens; default: what memory allows
+    max_model_len: int | None = None  # longest prompt + generation; default: the model's limit
+    max_num_seqs: int = 64  # requests decoding at once
+    max_num_batched_tokens: int = 2048  # token budget of one forward (chunked prefill cuts prompts to fit)
+    max_queued_requests: int = 1024  # waiting requests before submit raises Overloaded
+    enable_prefix_cache: bool = True  # publish finished states and match new requests against them
+    memory_fraction: float = 0.85  # of free accelerator memory (or a share of RAM on cpu) for the KV pool
+
+    def check(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ValueError(f"kv_cache_tokens must hold at least one page, got {self.kv_cache_tokens!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")

@@ -1,0 +1,210 @@
+"""The `Engine`: the one public entry point that the server and Python users share.
+
+    engine = Engine("tiny-gpt-oss")
+    outs = engine.generate(["Hello", [1, 2, 3], {"segments": [[...], [...]], "cache": {"drop": {"1": [0]}}}])
+
+`generate` drives the scheduler synchronously. `stream` (async) hands requests to a background thread that
+steps the scheduler whenever there is work, and delivers increments back to the event loop. Requests enter
+the scheduler through an inbox, so the scheduler itself is only ever touched by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from minakv.config import EngineConfig
+from minakv.model import default_device_dtype, load_model
+from minakv.model.tokenizer import Tokenizer
+from minakv.sampling import RequestOutput, SamplingParams
+from minakv.prompt import make_request
+from minakv.scheduler.request import Request
+from minakv.scheduler.scheduler import Scheduler
+from minakv.scheduler.worker import Worker, kv_bytes_per_token
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full; try again later (the server answers 503)."""
+
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+def pool_tokens(config: EngineConfig, model_bytes_per_token: int, device: torch.device) -> int:
+    """How many KV tokens to allocate when the caller did not say."""
+    if config.kv_cache_tokens is not None:
+        return config.kv_cache_tokens
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * config.memory_fraction
+    else:  # a share of RAM, capped: a CPU engine is for tests and small models
+        budget = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.1, 2 << 30)
+    return max(config.page_size, int(budget // model_bytes_per_token))
+
+
+class Engine:
+    def __init__(self, model: str = "tiny-gpt-oss", **kwargs: Any) -> None:
+        self.config = config = EngineConfig(model=str(model), **kwargs)
+        config.check()
+        from minakv.model.presets import resolve_model
+
+        path = resolve_model(config.model)
+        dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
+        device, dtype = default_device_dtype(config.device, dtype)
+        self.model = load_model(path, device=device, dtype=dtype)
+        self.model_name = str(model)
+        self.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+        limit = self.model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        per_token = kv_bytes_per_token(self.model, dtype)
+        num_pages = max(1, pool_tokens(config, per_token, device) // config.page_size)
+        self.worker = Worker(self.model, num_pages * config.page_size)
+        self.scheduler = Scheduler(config, self.worker, num_pages, self.tokenizer, self.max_model_len)
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ----- synchronous use -----
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        requests = [self._make(p, sp) for p, sp in zip(prompts, params_list)]
+        if self._thread is not None:  # the background loop owns the scheduler: go through it
+            return asyncio.run(self._generate_async(requests))
+        for r in requests:
+            self.scheduler.add(r)
+        show = use_tqdm if use_tqdm is not None else len(requests) > 8
+        bar = _progress(len(requests)) if show else None
+        done: dict[str, RequestOutput] = {}
+        start, tokens = time.perf_counter(), 0
+        while len(done) < len(requests):
+            for r in self.scheduler.step():
+                if r.finish_reason is not None:
+                    done[r.request_id] = r.output(incremental=False)
+                    tokens += len(r.output_ids)
+                    if bar is not None:
+                        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[r.request_id] for r in requests]
+
+    async def _generate_async(self, requests: list[Request]) -> list[RequestOutput]:
+        async def collect(r: Request) -> RequestOutput:
+            async for out in self._stream_request(r):
+                if out.finish_reason is not None:
+                    return r.output(incremental=False)
+            raise RuntimeError("stream ended without finishing")
+
+        return list(await asyncio.gather(*(collect(r) for r in requests)))
+
+    # ----- asynchronous use -----
+    async def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield increments (new tokens and text); the last one has `finish_reason` and the usage."""
+        request = self._make(prompt, params or SamplingParams(), request_id)
+        async for out in self._stream_request(request):
+            yield out
+
+    async def _stream_request(self, request: Request) -> AsyncIterator[RequestOutput]:
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if len(self._inbox) + self.scheduler.num_waiting >= self.config.max_queued_requests:
+                raise Overloaded(f"{self.config.max_queued_requests} requests are already waiting")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+            self._inbox.append(request)
+        self._ensure_thread()
+        self._wake.set()
+        try:
+            while True:
+                out: RequestOutput = await queue.get()
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:  # the consumer went away (client disconnected) or we finished: stop the request
+            with self._lock:
+                if self._streams.pop(request.request_id, None) is not None and request.finish_reason is None:
+                    self._aborts.append(request.request_id)
+            self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        if self._thread is None:
+            self._drain()
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        return self.scheduler.stats()
+
+    def check(self) -> None:
+        """Assert the pool's accounting is exact (used by tests after every scenario)."""
+        self.scheduler.check()
+
+    # ----- internals -----
+    def _make(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        params.check()
+        request = make_request(prompt, params, self.tokenizer, self.model.config, self.max_model_len)
+        if request_id is not None:
+            request.request_id = request_id
+        return request
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="minakv-engine", daemon=True)
+            self._thread.start()
+
+    def _drain(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for r in inbox:
+            self.scheduler.add(r)
+        for rid in aborts:
+            self.scheduler.abort(rid)
+
+    def _loop(self) -> None:
+        while True:
+            self._drain()
+            if not self.scheduler.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                changed = self.scheduler.step()
+            except Exception as exc:  # never leave streams hanging: fail them all, keep serving
+                changed = self.scheduler.fail_all(f"internal error: {exc!r}")
+            for r in changed:
+                with self._lock:
+                    target = self._streams.get(r.request_id)
+                if target is None:
+                    continue
+                loop, queue = target
+                out = r.output(incremental=True)
+                if out.token_ids or out.text or out.finish_reason is not None:
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

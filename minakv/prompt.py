@@ -1,0 +1,83 @@
+"""From what a caller sends to a `Request`: tokens, their owners, and the compiled cache program.
+
+Prompt forms:
+- `str`: tokenized as is (one owner).
+- `list[int]`: token ids (one owner).
+- `{"segments": [[ids], ...], "cache": {...}}`: pre-tokenized messages, one owner each, no template.
+- `{"messages": [...], "tools": [...], "cache": {...}, "chat_template_kwargs": {...}}`: rendered once with
+  the model's chat template; every token owned by its message, the generation prompt by owner N.
+
+`cache` is `{"drop": {"<trigger>": [ids]}, "reposition": [ids]}` (DESIGN.md 2.2). Everything invalid raises
+ValueError (CacheOpError for operations) with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minakv.cache.program import compile_program
+from minakv.model.chat import render
+from minakv.model.config import ModelConfig
+from minakv.sampling import SamplingParams
+from minakv.scheduler.request import Request
+
+
+def _token_list(value: Any, field: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"{field} must be a list of integer token ids")
+    bad = next((t for t in value if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{field}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    return value
+
+
+def tokens_and_owners(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int], list[int], int, dict]:
+    """(token ids, owners, number of messages N, cache operations) for any prompt form."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: send token ids instead of text")
+        ids = tokenizer.encode(prompt)
+        return ids, [0] * len(ids), 1, {}
+    if isinstance(prompt, list):
+        ids = _token_list(prompt, "prompt", vocab_size)
+        return ids, [0] * len(ids), 1, {}
+    if not isinstance(prompt, dict):
+        raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+    cache = prompt.get("cache") or {}
+    if not isinstance(cache, dict) or set(cache) - {"drop", "reposition"}:
+        raise ValueError(f"cache must be an object with optional 'drop' and 'reposition', got {cache!r}")
+    if "segments" in prompt:
+        segments = prompt["segments"]
+        if not isinstance(segments, list) or not segments:
+            raise ValueError("segments must be a non-empty list of token-id lists")
+        ids, owners = [], []
+        for i, seg in enumerate(segments):
+            ids += _token_list(seg, f"segments[{i}]", vocab_size)
+            owners += [i] * len(seg)
+        return ids, owners, len(segments), cache
+    if "messages" in prompt:
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render messages")
+        kwargs = prompt.get("chat_template_kwargs") or {}
+        rendered = render(prompt["messages"], tokenizer, tools=prompt.get("tools"), **kwargs)
+        return rendered.token_ids, rendered.owners, rendered.num_messages, cache
+    raise ValueError("a dict prompt needs 'segments' or 'messages'")
+
+
+def make_request(
+    prompt: Any, params: SamplingParams, tokenizer, config: ModelConfig, max_model_len: int
+) -> Request:
+    ids, owners, num_messages, cache = tokens_and_owners(prompt, tokenizer, config.vocab_size)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len} (room is needed to generate)"
+        )
+    limit = min(config.max_position_embeddings, max_model_len)
+    program = compile_program(owners, num_messages, cache.get("drop"), cache.get("reposition"), limit)
+    if program.next_pos >= limit:
+        raise ValueError(f"the first generated token would sit at position {program.next_pos}, past {limit}")
+    eos = list(tokenizer.eos_token_ids) if tokenizer is not None else []
+    eos += [t for t in config.eos_token_ids if t not in eos]
+    return Request(ids, owners, num_messages, cache, params, program, eos_token_ids=eos)

@@ -1,0 +1,106 @@
+"""One forward step as data: the flat token batch and the attention metadata over the paged KV.
+
+The batch holds decode queries first (one token per request), then prefill/restore segments. Every query
+reads a list of (slot, position) keys: for a decode query, the request's active keys including its own;
+for a segment, the keys active where the segment starts, plus (implicitly) the segment's own causal prefix.
+Segments are what make drop and restore exact: a segment ends wherever the set of visible keys changes.
+
+`PagedContext` is the attention context the model sees during such a step: it rotates q/k at the
+tokens' positions, stores K/V into their slots, then runs decode and segment attention (Triton on CUDA,
+torch references elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minakv.model.context import AttentionLayer
+from minakv.ops.decode_attention import decode_attention
+from minakv.ops.rope import apply_rope
+from minakv.ops.segment_attention import segment_attention
+from minakv.sampling import SamplingParams
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # position each token is born at
+    slots: list[int] = field(default_factory=list)  # where each token's K/V is stored
+    num_decode: int = 0  # the first num_decode tokens are decode queries
+    seg_q_indptr: list[int] = field(default_factory=lambda: [0])  # segments over the prefill tokens
+    kv_indptr: list[int] = field(default_factory=lambda: [0])  # per decode query, then per segment
+    kv_slots: list[int] = field(default_factory=list)
+    kv_pos: list[int] = field(default_factory=list)
+    # re-rotation copies to make before the forward (all layers): src slot -> dst slot, old -> new position
+    rerotate: tuple[list[int], list[int], list[int], list[int]] = field(
+        default_factory=lambda: ([], [], [], [])
+    )
+    # sampling: which token rows produce a next token, for which request, with which parameters
+    sample_rows: list[int] = field(default_factory=list)
+    sample_ids: list[str] = field(default_factory=list)
+    sample_params: list[SamplingParams] = field(default_factory=list)
+    release_ids: list[str] = field(default_factory=list)  # finished requests: drop their sampler state
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def add_keys(self, keys: list[tuple[int, int]]) -> None:
+        """Close one query group (decode query or segment) with its (slot, position) keys."""
+        for slot, pos in keys:
+            self.kv_slots.append(slot)
+            self.kv_pos.append(pos)
+        self.kv_indptr.append(len(self.kv_slots))
+
+
+class PagedContext:
+    def __init__(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        device = k_cache.device
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.positions = tensor(batch.positions)
+        self.slots = tensor(batch.slots)
+        self.num_decode = batch.num_decode
+        self.seg_q_indptr = tensor(batch.seg_q_indptr)
+        self.kv_indptr = tensor(batch.kv_indptr)
+        self.kv_slots = tensor(batch.kv_slots)
+        self.kv_pos = tensor(batch.kv_pos)
+        self.decode_keys = batch.kv_indptr[batch.num_decode]  # keys of decode queries come first
+        # host-side sizes, so the kernels need not read them back from the device
+        lengths = [b - a for a, b in zip(batch.kv_indptr, batch.kv_indptr[1:])]
+        self.max_kv_len = max(lengths[: batch.num_decode], default=0) + 1
+        seg = batch.seg_q_indptr
+        self.max_seg_len = max((b - a for a, b in zip(seg, seg[1:])), default=0)
+        self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attend(
+        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        key = id(layer.rope)
+        if key not in self._cos_sin:  # one table per forward, shared by all layers
+            self._cos_sin[key] = layer.rope.cos_sin(self.positions)
+        cos, sin = self._cos_sin[key]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = self.k_cache[layer.index], self.v_cache[layer.index]
+        k_cache[self.slots] = k.to(k_cache.dtype)
+        v_cache[self.slots] = v.to(v_cache.dtype)
+        out = torch.empty_like(q)
+        b = self.num_decode
+        if b:
+            out[:b] = decode_attention(
+                q[:b], k_cache, v_cache, self.kv_indptr[: b + 1], self.kv_slots, self.kv_pos,
+                self.positions[:b], layer.scale, layer.window, layer.sinks, max_kv_len=self.max_kv_len,
+            )  # fmt: skip
+        if q.shape[0] > b:
+            out[b:] = segment_attention(
+                q[b:], k_cache, v_cache, self.positions[b:], self.slots[b:], self.seg_q_indptr,
+                self.kv_indptr[b:] - self.decode_keys, self.kv_slots[self.decode_keys :],
+                self.kv_pos[self.decode_keys :], layer.scale, layer.window, layer.sinks,
+                max_seg_len=self.max_seg_len,
+            )  # fmt: skip
+        return out

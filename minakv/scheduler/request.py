@@ -1,0 +1,89 @@
+"""A request inside the engine: its tokens, its compiled program, and its plan of KV entries.
+
+Every slot a request fills is one *entry*, in a fixed order that depends only on the request's tokens and
+operations (never on batching or chunking):
+
+    BORN(t)            token t computed at its birth position
+    COPY(t, old->new)  token t's key re-rotated into a fresh slot by a reposition
+
+Entries are laid into pages in that order, so a page's content is a function of the entries before it. Each
+entry has a record (events so far, token, position, kind); a page's key hashes its records chained to the
+previous page's key. Two requests share a page exactly when their histories agree up to its end.
+
+Tokens no later query reads are never computed (they get no entry): a message dropped right after it ends,
+for example, costs nothing. The walk itself (positions, drops, repositions) comes from the compiled program.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from minakv.cache.program import Program
+from minakv.scheduler.plan import Entry, Plan
+from minakv.sampling import RequestOutput, SamplingParams, TokenLogprob, Usage
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    owners: list[int]
+    num_messages: int
+    ops: dict
+    params: SamplingParams
+    program: Program
+    eos_token_ids: list[int] = field(default_factory=list)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # planning and progress (set when the request is admitted; reset when it is preempted)
+    plan: Plan | None = None
+    entries: list[Entry] = field(default_factory=list)  # planned entries, then one per decode step
+    records: list[bytes] = field(default_factory=list)  # one per entry, for page keys
+    page_keys: list[bytes] = field(default_factory=list)  # key of each full page of planned entries
+    pages: list[int] = field(default_factory=list)  # physical pages holding the entries, in order
+    num_done: int = 0  # entries whose K/V exist (cached or computed)
+    decode_keys: list[int] = field(default_factory=list)  # entries the next generated token reads
+    segment_start: list[int] = field(default_factory=list)  # first entry of each segment
+    last_prompt_entry: int = 0  # entry of the last fed token: its logits give the next token
+    next_pos: int = 0  # position of the next generated token
+    num_fed: int = 0  # tokens whose entries are planned (prompt, then each fed output token)
+    error: str | None = None
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    text: str = ""
+    sent_tokens: int = 0  # how many output tokens a stream has already delivered
+    sent_text: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    def output(self, incremental: bool) -> RequestOutput:
+        """All output so far, or (for streams) what is new since the last call. While running, text that
+        could still turn out to start a stop string is held back."""
+        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop_strings), default=0)
+        text_end = max(self.sent_text, len(self.text) - hold)
+        if incremental:
+            ids, text = self.output_ids[self.sent_tokens :], self.text[self.sent_text : text_end]
+            lps = self.logprobs[self.sent_tokens :] if self.params.logprobs is not None else None
+            self.sent_tokens, self.sent_text = len(self.output_ids), text_end
+        else:
+            ids, text = list(self.output_ids), self.text
+            lps = list(self.logprobs) if self.params.logprobs is not None else None
+        usage = Usage(**vars(self.usage))
+        return RequestOutput(self.request_id, ids, text, self.finish_reason, usage, lps)
