@@ -193,8 +193,10 @@ def build_bpe_tokenizer(
     merges: list[tuple[bytes, bytes]],
     pattern: str | None,
     specials: list[str],
+    added: list[str] | tuple[str, ...] = (),
 ) -> HFTokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer`: ids of `tokens` by position, then `specials` in order.
+    """A byte-level BPE `tokenizers.Tokenizer`: ids of `tokens` by position, then `specials` and `added`
+    (matched whole like specials, but kept by decode(skip_special_tokens=True)) in order.
     With `pattern`, text is pre-split by that regex (tiktoken style); else GPT-2's default split."""
     to_unicode = byte_to_unicode()
 
@@ -215,7 +217,10 @@ def build_bpe_tokenizer(
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    for i, s in enumerate(specials):  # added tokens take the next free ids; check they landed where meant
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in added])
+    for i, s in enumerate(
+        [*specials, *added]
+    ):  # added tokens take the next free ids; check they landed where meant
         if tok.token_to_id(s) != len(tokens) + i:
             raise ValueError(f"special token {s!r} got id {tok.token_to_id(s)}, expected {len(tokens) + i}")
     return tok
