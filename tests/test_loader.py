@@ -202,3 +202,21 @@ def test_where_models_come_from(
     assert resolve_path("someone/some-model") == tiny["minimax_m2"]
     assert calls[0][0] == "someone/some-model"
     assert "*.safetensors" in calls[0][1] and "*.json" in calls[0][1]
+
+
+def test_tied_embeddings(tmp_path: Path) -> None:
+    """A tied checkpoint has no lm_head tensor; the model shares the embedding and matches transformers."""
+    torch.manual_seed(0)
+    config = transformers.MiniMaxM2Config(
+        num_hidden_layers=1, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256, rotary_dim=8,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    transformers.MiniMaxM2ForCausalLM(config).save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    model = load_model(tmp_path, device="cpu")
+    assert model.lm_head.weight is model.embed_tokens.weight
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(torch.arange(3, 20)[None]).logits[0]
+    assert rel_err(logits(tmp_path), ref) < 1e-4

@@ -45,6 +45,7 @@ def make_empty_model(config: ModelConfig, device: torch.device, dtype: torch.dty
     with torch.device("meta"):
         model = MODEL_CLASSES[config.arch](config)
     model.to_empty(device=device)
+    model.tie_weights()
     model.to(dtype)
     for p in model.fp32_parameters():
         p.data = p.data.float()
