@@ -26,9 +26,10 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterator
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -37,6 +38,10 @@ from jinja2.lexer import Token, TokenStream
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ENTER, DONE = "_minakv_enter", "_minakv_done"
+
+
+class ChatError(ValueError):
+    """Messages or a template that cannot be rendered; the message says what is wrong."""
 
 
 @dataclass
@@ -59,7 +64,7 @@ class OwnerHooks(jinja2.ext.Extension):
     control is applied, so the template's output is unchanged. Also accepts HF's `{% generation %}` tag
     (a training-time marker) and renders its body as is."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
         next(parser.stream)
@@ -139,7 +144,7 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"chat template: syntax error at line {e.lineno}: {e.message}") from None
+        raise ChatError(f"chat template: syntax error at line {e.lineno}: {e.message}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -154,9 +159,9 @@ def normalize_message(message: Any, index: int) -> dict[str, Any]:
     dropped, null content as "", text parts joined, tool-call arguments as dicts (templates `tojson` them),
     reasoning under both `reasoning_content` (MiniMax) and `thinking` (GPT-OSS)."""
     if not isinstance(message, dict):
-        raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")
+        raise ChatError(f"messages[{index}] must be an object, got {type(message).__name__}")
     if not isinstance(message.get("role"), str):
-        raise ValueError(f"messages[{index}].role must be a string")
+        raise ChatError(f"messages[{index}].role must be a string")
     out = {k: v for k, v in message.items() if v is not None}
     content = message.get("content")
     if isinstance(content, list):
@@ -165,16 +170,16 @@ def normalize_message(message: Any, index: int) -> dict[str, Any]:
             if not (
                 isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
             ):
-                raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported")
+                raise ChatError(f"messages[{index}].content[{j}]: only text parts are supported")
             texts.append(part["text"])
         content = "".join(texts)
     elif content is not None and not isinstance(content, str):
-        raise ValueError(f"messages[{index}].content must be a string, a list of text parts or null")
+        raise ChatError(f"messages[{index}].content must be a string, a list of text parts or null")
     out["content"] = content or ""
     reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
     if reasoning is not None:
         if not isinstance(reasoning, str):
-            raise ValueError(f"messages[{index}].reasoning_content must be a string")
+            raise ChatError(f"messages[{index}].reasoning_content must be a string")
         out.update(reasoning_content=reasoning, thinking=reasoning)
     if "tool_calls" in out:
         out["tool_calls"] = [_normalize_call(c, index, j) for j, c in enumerate(out["tool_calls"])]
@@ -185,13 +190,13 @@ def _normalize_call(call: Any, index: int, j: int) -> dict[str, Any]:
     where = f"messages[{index}].tool_calls[{j}]"
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ValueError(f"{where}.function.name must be a string")
+        raise ChatError(f"{where}.function.name must be a string")
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}.function.arguments is not valid JSON: {e}") from None
+            raise ChatError(f"{where}.function.arguments is not valid JSON: {e}") from None
     return {**call, "function": {**fn, "arguments": args}}
 
 
@@ -252,7 +257,7 @@ def render_spans(
             else:
                 owner = n if add_generation_prompt else n - 1  # after the last: the generation prompt
             if runs and owner < runs[-1][1]:
-                raise ValueError(
+                raise ChatError(
                     f"the chat template renders message {owner} after message {runs[-1][1]}; token ownership "
                     "needs messages rendered in order"
                 )
@@ -261,7 +266,7 @@ def render_spans(
             pieces.append(chunk)
             at += len(chunk)
     except jinja2.TemplateError as e:
-        raise ValueError(f"chat template error: {e.message}") from None
+        raise ChatError(f"chat template error: {e.message}") from None
     text = "".join(pieces)
     if not rendered_a_message and add_generation_prompt and n > 0:
         # No message was rendered inside a loop (e.g. only a system message): find the generation prompt
@@ -301,11 +306,11 @@ def render(
     token its owner. `template_kwargs` (reasoning_effort, model_identity, ...) go to the template."""
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
-        raise ValueError("the model has no chat template (chat_template.jinja or tokenizer_config.json)")
+        raise ChatError("the model has no chat template (chat_template.jinja or tokenizer_config.json)")
     if not isinstance(messages, list):
-        raise ValueError("messages must be a list")
+        raise ChatError("messages must be a list")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise ValueError("tools must be a list of objects")
+        raise ChatError("tools must be a list of objects")
     normalized = [normalize_message(m, i) for i, m in enumerate(messages)]
     specials = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token")}
     kwargs = {**{k: v for k, v in specials.items() if v is not None}, **template_kwargs}
