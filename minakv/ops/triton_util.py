@@ -36,6 +36,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def interpreter_ready() -> bool:
+    """Whether kernels can run in the CPU interpreter in this process. Triton jits its own stdlib (tl.max,
+    tl.sum, ...) when first imported, so TRITON_INTERPRET=1 must have been set before `import triton`."""
+    from triton.language import standard
+
+    return type(standard.max).__name__ == "InterpretedFunction"
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """True when an op should take its Triton path (CUDA tensors); the torch reference serves the rest."""
     return x.is_cuda
