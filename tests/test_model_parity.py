@@ -12,6 +12,7 @@ The builders here are reused by tests/test_loader.py.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -135,14 +136,16 @@ def compare(path: Path, prompt_len: int, decode_steps: int = 16, seed: int = 1) 
     tokens = torch.randint(3, 256, (prompt_len + decode_steps,), generator=gen)
     prompt, rest = tokens[:prompt_len], tokens[prompt_len:]
 
+    # transformers renamed `past_key_values` to `cache` during 5.x; use whichever this version has.
+    key = "cache" if "cache" in inspect.signature(ref_model.forward).parameters else "past_key_values"
     ref = ref_model(prompt[None], use_cache=True)
-    cache = ref.cache
+    cache = ref[key]
     ctx = DenseContext()
     ctx.advance(prompt_len)
     errors = [rel_err(ours.compute_logits(ours(prompt, ctx)), ref.logits[0])]
     for token in rest:
-        ref = ref_model(token.view(1, 1), cache=cache, use_cache=True)
-        cache = ref.cache
+        ref = ref_model(token.view(1, 1), use_cache=True, **{key: cache})
+        cache = ref[key]
         ctx.advance(1)
         errors.append(rel_err(ours.compute_logits(ours(token.view(1), ctx)), ref.logits[0]))
     return errors
