@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import msgspec
 import numpy as np
 import pytest
 
@@ -25,6 +24,10 @@ def chat(**extra) -> ChatCompletionRequest:
     return decode_request(
         json.dumps({"model": "m", "messages": MSGS, **extra}).encode(), ChatCompletionRequest
     )
+
+
+def prompt_of(body: dict):
+    return chat_prompt(decode_request(json.dumps(body).encode(), ChatCompletionRequest), body)
 
 
 def error_of(fn, *args, **kwargs) -> RequestError:
@@ -67,7 +70,7 @@ def test_both_forms_and_paper_form() -> None:
     assert parse_cache_ops(chat()) is None
     assert parse_cache_ops(chat(drop_message={})) is not None  # present-but-empty is still "context mode"
     # the engine form goes into the prompt as is
-    prompt, ops, _ = chat_prompt(chat(drop_message={"3": [1]}))
+    prompt, ops, _ = prompt_of({"model": "m", "messages": MSGS, "drop_message": {"3": [1]}})
     assert prompt["cache"] == {"drop": {3: [1]}, "reposition": []}
 
 
@@ -92,26 +95,22 @@ def test_invalid_operations(extra: dict, param: str, words: str) -> None:
 
 
 def test_chat_prompt_checks() -> None:
-    assert error_of(chat_prompt, chat(tool_choice="required")).param == "tool_choice"
-    assert error_of(chat_prompt, chat(reasoning_effort="max")).param == "reasoning_effort"
+    base = {"model": "m", "messages": MSGS}
+    assert error_of(prompt_of, {**base, "tool_choice": "required"}).param == "tool_choice"
+    assert error_of(prompt_of, {**base, "reasoning_effort": "max"}).param == "reasoning_effort"
+    assert error_of(prompt_of, {**base, "messages": []}).param == "messages"
     parts = [{"role": "user", "content": [{"type": "image_url"}]}]
-    req = decode_request(json.dumps({"model": "m", "messages": parts}).encode(), ChatCompletionRequest)
-    assert error_of(chat_prompt, req).param == "messages[0].content[0]"
+    assert error_of(prompt_of, {**base, "messages": parts}).param == "messages[0].content[0]"
+    # messages and tools reach the template as sent (key order too: templates `tojson` the tools)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    req = decode_request(
-        json.dumps({"model": "m", "messages": msgs, "tools": tools, "reasoning_effort": "low"}).encode(),
-        ChatCompletionRequest,
-    )
-    prompt, ops, tools_on = chat_prompt(req)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}], "name": "x"}]
+    body = {"model": "m", "messages": msgs, "tools": tools, "reasoning_effort": "low"}
+    prompt, ops, tools_on = prompt_of(body)
     assert tools_on and ops is None
-    assert prompt == {
-        "messages": [{"role": "user", "content": "ab"}],
-        "tools": [{"function": {"name": "f", "parameters": {"type": "object"}}, "type": "function"}],
-        "chat_template_kwargs": {"reasoning_effort": "low"},
-    }
+    assert prompt == {"messages": msgs, "tools": tools, "chat_template_kwargs": {"reasoning_effort": "low"}}
+    assert list(prompt["tools"][0]) == ["type", "function"]
     # tool_choice none: the tools are not rendered (and calls are not parsed)
-    prompt, _, tools_on = chat_prompt(msgspec.structs.replace(req, tool_choice="none"))
+    prompt, _, tools_on = prompt_of({**body, "tool_choice": "none"})
     assert not tools_on and "tools" not in prompt
 
 

@@ -174,7 +174,8 @@ async def finish(engine: Engine, stream: AsyncIterator[RequestOutput], request_i
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
-    req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
+    body = await request.read()
+    req: ChatCompletionRequest = decode_request(body, ChatCompletionRequest)
     prompts.check_common(req, settings["accepted"])
     logprobs = prompts.chat_logprobs(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -182,7 +183,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"{param_name} must be a positive integer, got {max_tokens}", param_name)
     params = prompts.sampling_params(req, max_tokens or engine.max_model_len, logprobs)
-    prompt, ops, tools_on = prompts.chat_prompt(req)
+    prompt, ops, tools_on = prompts.chat_prompt(req, msgspec.json.decode(body))
     if ops is not None and ops.thinking_drop:
         try:
             prompt = prompts.thinking_drop_prompt(engine.tokenizer, prompt, ops)

@@ -2,7 +2,7 @@
 
 `engine.stats()` is a (possibly nested) dict of numbers; every number becomes one gauge named
 `minakv_<path>` (nested keys joined by `_`), so a new engine statistic shows up without touching this file.
-Keys that only ever grow (requests, tokens, hits, evictions, preemptions) are typed as counters.
+The statistics that only ever grow are typed as counters; the rest are gauges.
 """
 
 from __future__ import annotations
@@ -12,7 +12,26 @@ import re
 from collections import Counter
 from typing import Any
 
-COUNTER_WORDS = ("requests", "tokens_in", "tokens_out", "hit", "evictions", "preemptions", "total")
+HELP = {
+    "requests": "requests admitted",
+    "prompt_tokens": "prompt tokens received (tokens in)",
+    "output_tokens": "tokens generated (tokens out)",
+    "cache_hit_tokens": "prompt tokens whose KV came from the cache",
+    "evictions": "cached pages evicted",
+    "preemptions": "requests preempted for memory",
+    "errors": "requests failed by an internal error",
+    "decode_tokens": "decode steps summed over requests",
+    "decode_kv_entries": "KV entries read by decode steps",
+    "pages_total": "KV pool pages",
+    "pages_free": "KV pool pages free",
+    "pages_used": "KV pool pages in use (by requests or the cache)",
+    "pages_cached": "KV pool pages holding published cache states",
+    "kv_bytes_read_per_decode_token": "mean KV bytes read per decode token",
+    "running": "requests running",
+    "waiting": "requests waiting",
+}
+COUNTERS = {"requests", "prompt_tokens", "output_tokens", "cache_hit_tokens", "evictions", "preemptions",
+            "errors", "decode_tokens", "decode_kv_entries"}  # fmt: skip
 
 
 def flatten(stats: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -35,9 +54,12 @@ def _number(value: float) -> str:
 def prometheus_text(stats: dict[str, Any], http_counts: Counter) -> str:
     lines: list[str] = []
     for name, value in sorted(flatten(stats).items()):
-        kind = "counter" if any(w in name for w in COUNTER_WORDS) else "gauge"
         metric = f"minakv_{name}"
-        lines += [f"# HELP {metric} engine.stats()['{name}']", f"# TYPE {metric} {kind}"]
+        help_text = HELP.get(name, f"engine.stats() {name}")
+        lines += [
+            f"# HELP {metric} {help_text}",
+            f"# TYPE {metric} {'counter' if name in COUNTERS else 'gauge'}",
+        ]
         lines.append(f"{metric} {_number(value)}")
     lines += [
         "# HELP minakv_http_responses_total HTTP responses by route and status",

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from minakv.sampling import SamplingParams
 from minakv.server.ops import CacheOps, parse_cache_ops, reasoning_flags, split_segments, to_segments
 from minakv.server.protocol import (
@@ -74,10 +72,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
 # Chat
 
 
-def message_dict(msg: ChatMessage, index: int) -> dict[str, Any]:
-    """One message as the renderer takes it: OpenAI's shape, text parts joined, reasoning under
-    `reasoning_content`."""
-    out: dict[str, Any] = msgspec.to_builtins(msg)
+def check_message(msg: ChatMessage, index: int) -> None:
+    """What the renderer cannot take, named by field (it joins text parts and reads reasoning itself)."""
     if isinstance(msg.content, list):
         for j, part in enumerate(msg.content):
             if part.type != "text" or part.text is None:
@@ -85,13 +81,8 @@ def message_dict(msg: ChatMessage, index: int) -> dict[str, Any]:
                     f"only text content parts are supported, got type {part.type!r}",
                     f"messages[{index}].content[{j}]",
                 )
-        out["content"] = "".join(part.text or "" for part in msg.content)
-    if msg.reasoning is not None:
-        out.pop("reasoning")
-        out.setdefault("reasoning_content", msg.reasoning)
     if msg.role == "tool" and msg.content is None:
         raise RequestError("a tool message needs `content`", f"messages[{index}].content")
-    return out
 
 
 def tool_choice_mode(req: ChatCompletionRequest) -> str:
@@ -112,16 +103,23 @@ def tool_choice_mode(req: ChatCompletionRequest) -> str:
     )
 
 
-def chat_prompt(req: ChatCompletionRequest) -> tuple[dict[str, Any], CacheOps | None, bool]:
-    """The engine's messages prompt, the parsed cache operations, and whether tool calls are parsed."""
+def chat_prompt(
+    req: ChatCompletionRequest, raw: dict[str, Any]
+) -> tuple[dict[str, Any], CacheOps | None, bool]:
+    """The engine's messages prompt, the parsed cache operations, and whether tool calls are parsed.
+    `req` is the typed request (checked); `raw` the same body decoded untyped: messages and tools go to
+    the template exactly as the client sent them (key order included, since templates print tools with
+    `tojson`), so the same conversation always renders to the same tokens."""
     if not req.messages:
         raise RequestError("messages must not be empty", "messages")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise RequestError("response_format other than 'text' is not supported", "response_format")
     tools_on = tool_choice_mode(req) == "auto"
-    prompt: dict[str, Any] = {"messages": [message_dict(m, i) for i, m in enumerate(req.messages)]}
+    for i, m in enumerate(req.messages):
+        check_message(m, i)
+    prompt: dict[str, Any] = {"messages": raw["messages"]}
     if tools_on:
-        prompt["tools"] = [msgspec.to_builtins(t) for t in req.tools or []]
+        prompt["tools"] = raw["tools"]
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
         if req.reasoning_effort not in ("low", "medium", "high"):

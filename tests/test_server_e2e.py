@@ -1,0 +1,393 @@
+"""`minakv serve` against real clients: the `openai` package (and raw aiohttp for disconnects) talking to the
+server over a real socket, on the tiny MiniMax-M2 preset. One engine and one server for the module; the
+server runs in a background thread with its own event loop, so the test can also call the same engine's
+`generate` (the reference for greedy outputs) and its pool check (`engine.check()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+from itertools import pairwise
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from minakv.engine import Engine
+from minakv.sampling import SamplingParams
+from minakv.server.app import make_app
+
+MODEL = "tiny-minimax-m2"
+NAME = "mm-test"
+KEY = "sekret"
+MAX_LEN = 256
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+HISTORY = [
+    {"role": "system", "content": "you help"},
+    {"role": "user", "content": "what is the weather in the city"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "call the tool",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny today"},
+    {"role": "user", "content": "and the answer"},
+]
+
+
+class ServerThread:
+    """An aiohttp app on 127.0.0.1:<free port>, served from a background event loop."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
+
+    async def _start(self) -> None:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(MODEL, kv_cache_tokens=4096, max_model_len=MAX_LEN, max_queued_requests=64)
+
+
+@pytest.fixture(scope="module")
+def server(engine: Engine):
+    srv = ServerThread(make_app(engine, NAME, api_key=KEY, max_body_bytes=64 << 10))
+    srv.url = f"http://127.0.0.1:{srv.port}"
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def greedy(engine: Engine, prompt, max_tokens: int) -> list[int]:
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0].token_ids
+
+
+def token_bytes(engine: Engine, ids: list[int]) -> bytes:
+    from minakv.server.output import token_bytes as one
+
+    return b"".join(one(engine.tokenizer, t) for t in ids)
+
+
+def chat_bytes(resp) -> bytes:
+    """The generated tokens' bytes from a response's logprobs (independent of output parsing)."""
+    return b"".join(bytes(t.bytes) for t in resp.choices[0].logprobs.content)
+
+
+def wait_idle(engine: Engine, timeout: float = 30) -> dict:
+    """Wait until no request runs or waits, then check the pool's accounting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, f"requests still active: {stats}"
+        time.sleep(0.05)
+    engine.check()
+    assert stats["pages_free"] + stats["pages_used"] == stats["pages_total"]
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Good requests
+
+
+def test_chat_non_streamed_equals_generate(engine: Engine, client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "hello world"}]
+    resp = client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=6, temperature=0, logprobs=True
+    )
+    ref = greedy(engine, {"messages": msgs}, 6)
+    assert chat_bytes(resp) == token_bytes(engine, ref)
+    assert resp.usage.completion_tokens == len(ref) and resp.usage.prompt_tokens > 0
+    assert resp.choices[0].finish_reason in ("length", "stop")
+    assert resp.object == "chat.completion" and resp.model == NAME
+
+
+def test_chat_streamed_matches_non_streamed(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "what is the cache"}]
+    kwargs = {"model": NAME, "messages": msgs, "max_tokens": 6, "temperature": 0}
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
+    message = full.choices[0].message
+    assert content == (message.content or "")
+    assert reasoning == (getattr(message, "reasoning_content", None) or "")
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # without include_usage (and no cache operations) there is no usage chunk
+    plain = list(client.chat.completions.create(**kwargs, stream=True))
+    assert all(c.usage is None for c in plain)
+
+
+def test_completions_text_and_token_ids(engine: Engine, client: openai.OpenAI) -> None:
+    ids = engine.tokenizer.encode("hello world the cache")
+    ref = engine.generate([ids], SamplingParams(max_tokens=5, temperature=0))[0]
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=5, temperature=0)
+    by_text = client.completions.create(
+        model=NAME, prompt="hello world the cache", max_tokens=5, temperature=0
+    )
+    assert by_ids.choices[0].text == by_text.choices[0].text == ref.text
+    assert by_ids.usage.prompt_tokens == len(ids) and by_ids.usage.completion_tokens == len(ref.token_ids)
+    streamed = client.completions.create(model=NAME, prompt=ids, max_tokens=5, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == ref.text
+    lp = client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, logprobs=2)
+    assert len(lp.choices[0].logprobs.token_logprobs) == 3
+    assert all(len(top) >= 1 for top in lp.choices[0].logprobs.top_logprobs)
+
+
+def test_tool_call_history_equals_generate(engine: Engine, client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model=NAME, messages=HISTORY, tools=TOOLS, max_tokens=5, temperature=0, logprobs=True
+    )
+    ref = greedy(engine, {"messages": HISTORY, "tools": TOOLS}, 5)
+    assert chat_bytes(resp) == token_bytes(engine, ref)
+    # the history really reached the template: the prompt holds the tool call, the result and the tools
+    from minakv.model.chat import render
+
+    rendered = render(HISTORY, engine.tokenizer, tools=TOOLS)
+    assert resp.usage.prompt_tokens == len(rendered.token_ids)
+    assert "get_weather" in rendered.text and "sunny today" in rendered.text and "Paris" in rendered.text
+
+
+def test_cache_operations_both_forms(engine: Engine, client: openai.OpenAI) -> None:
+    ops = {"drop": {"3": [1, 2, 3]}, "reposition": [3]}
+    prompt = {"messages": HISTORY, "tools": TOOLS, "cache": ops}
+    ref = greedy(engine, prompt, 5)
+    bodies = [
+        {"cache": ops},
+        {"drop_message": ops["drop"], "reposition": [3]},
+        {"drop_rule": {"type": "message_drop", "drop_messages": ops["drop"]}, "reposition": [3]},
+    ]
+    base = {
+        "model": NAME,
+        "messages": HISTORY,
+        "tools": TOOLS,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    for extra in bodies:
+        resp = client.chat.completions.create(**base, extra_body=extra)
+        assert chat_bytes(resp) == token_bytes(engine, ref), extra
+        details = resp.usage.prompt_tokens_details.model_dump()
+        assert set(details) >= {"cached_tokens", "repos_tokens", "drop_skipped_tokens"}
+        assert all(
+            isinstance(details[k], int) for k in ("cached_tokens", "repos_tokens", "drop_skipped_tokens")
+        )
+        # the same numbers as the engine reports for the same request in the same (warm) cache state
+        again = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0))[0].usage
+        assert (resp.usage.prompt_tokens, details["cached_tokens"], details["repos_tokens"]) == (
+            again.prompt_tokens, again.cached_tokens, again.repos_tokens,
+        )  # fmt: skip
+        assert details["drop_skipped_tokens"] == again.drop_skipped_tokens
+        # streamed: the usage chunk comes without include_usage, details included
+        chunks = list(client.chat.completions.create(**base, extra_body=extra, stream=True))
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == len(ref)
+        assert usage.prompt_tokens_details.model_dump() == details
+
+
+def test_cache_operation_zeros_reported(client: openai.OpenAI) -> None:
+    msgs = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "x"},
+    ]
+    resp = client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=2, extra_body={"drop_message": {}}
+    )
+    raw = resp.usage.prompt_tokens_details.model_dump()
+    assert raw["repos_tokens"] == 0 and raw["drop_skipped_tokens"] == 0 and "cached_tokens" in raw
+
+
+def test_thinking_drop_drops_reasoning_segment(engine: Engine, client: openai.OpenAI) -> None:
+    from minakv.model.chat import render
+
+    msgs = [
+        {"role": "user", "content": "what is the weather"},
+        {"role": "assistant", "content": "it is sunny", "reasoning_content": "think about the weather"},
+        {"role": "user", "content": "and today"},
+    ]
+    # reference built by hand: the tokens of message 1 that decode to the reasoning text form their own
+    # segment, dropped right after message 1
+    rendered = render(msgs, engine.tokenizer)
+    ids, owners = rendered.token_ids, rendered.owners
+    mine = [t for t in range(len(ids)) if owners[t] == 1]
+    lo = next(
+        t
+        for t in mine
+        if engine.tokenizer.decode(ids[t : mine[-1] + 1]).startswith("think about the weather")
+    )
+    hi = next(
+        t
+        for t in range(lo, mine[-1] + 1)
+        if "think about the weather" in engine.tokenizer.decode(ids[lo : t + 1])
+    )
+    cut = [0, mine[0], lo, hi + 1, mine[-1] + 1, owners.index(3), len(ids)]
+    segments = [ids[a:b] for a, b in pairwise(cut) if b > a]
+    assert [t for s in segments for t in s] == ids
+    prompt = {"segments": segments, "cache": {"drop": {3: [2]}}}  # seg 0 user, 1 header, 2 reasoning, 3 rest
+    ref = greedy(engine, prompt, 4)
+    base = {"model": NAME, "messages": msgs, "max_tokens": 4, "temperature": 0, "logprobs": True}
+    resp = client.chat.completions.create(**base, extra_body={"drop_rule": {"type": "thinking_drop"}})
+    assert chat_bytes(resp) == token_bytes(engine, ref)
+    assert resp.usage.prompt_tokens == len(ids)
+
+
+def test_models_health_metrics(server, client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    with urllib.request.urlopen(server.url + "/health") as r:
+        assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        text = r.read().decode()
+    for name in (
+        "minakv_requests",
+        "minakv_prompt_tokens",
+        "minakv_output_tokens",
+        "minakv_cache_hit_tokens",
+        "minakv_pages_used",
+        "minakv_pages_free",
+        "minakv_evictions",
+        "minakv_kv_bytes_read_per_decode_token",
+    ):
+        assert f"\n{name} " in text, name
+    assert 'minakv_http_responses_total{route="/v1/chat/completions",status="200"}' in text
+
+
+def test_concurrent_streaming_clients(engine: Engine, server) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
+        stream = await client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        tokens, finish = 0, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        return tokens, finish
+
+    async def main() -> list[tuple[int, str | None]]:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 32 and all(f is not None and 1 <= n <= 4 for n, f in results)
+    wait_idle(engine)
+
+
+def test_disconnects_abort_and_free_pages(engine: Engine, server) -> None:
+    baseline = wait_idle(engine)
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            # streams cut after their first chunk
+            for _ in range(3):
+                resp = await session.post(
+                    server.url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers
+                )
+                assert resp.status == 200
+                await resp.content.readline()
+                resp.close()
+            # a non-streamed request whose client gives up
+            with pytest.raises(asyncio.TimeoutError):
+                await session.post(
+                    server.url + "/v1/chat/completions",
+                    json=body,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=0.5),
+                )
+
+    asyncio.run(main())
+    stats = wait_idle(engine)
+    assert stats["output_tokens"] - baseline["output_tokens"] < 4 * 200  # they stopped early
+    # the pages of the aborted requests are free again (the cache may keep finished, published pages)
+    assert stats["pages_used"] == stats["pages_cached"]
+
+
+def test_overload_answers_503(engine: Engine, server) -> None:
+    wait_idle(engine)
+    saved = engine.config.max_queued_requests
+    engine.config.max_queued_requests = 2
+
+    async def main() -> list[int]:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as session:
+
+            async def one(i: int) -> int:
+                body = {"model": NAME, "messages": [{"role": "user", "content": f"x {i}"}], "max_tokens": 2}
+                async with session.post(server.url + "/v1/chat/completions", json=body) as resp:
+                    if resp.status == 503:
+                        err = (await resp.json())["error"]
+                        assert err["type"] == "server_error" and "overloaded" in err["message"]
+                    return resp.status
+
+            return await asyncio.gather(*(one(i) for i in range(24)))
+
+    try:
+        statuses = asyncio.run(main())
+    finally:
+        engine.config.max_queued_requests = saved
+    assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses
+    wait_idle(engine)
