@@ -86,6 +86,7 @@ def test_token_spanning_a_boundary_goes_to_the_first_message(tokenizer):
     r = render(msgs, tokenizer, template, add_generation_prompt=False)
     assert tokenizer.decode(r.token_ids[:1]) == "hello"
     assert r.owners[0] == 0 and set(r.owners[1:]) == {1}
+    assert r.offsets[:2] == [(0, 5), (5, 11)]  # "hello", " world"
     _, runs = render_spans(msgs, template, None, False)
     _, offsets = tokenizer.encode_with_offsets(r.text)
     assert count_spanning(offsets, runs) == 1

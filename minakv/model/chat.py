@@ -27,7 +27,7 @@ import bisect
 import functools
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -52,6 +52,7 @@ class Rendered:
     owners: list[int]  # owners[i] in 0..num_messages; num_messages is the generation prompt
     text: str
     num_messages: int
+    offsets: list[tuple[int, int]] = field(default_factory=list)  # per token, its (start, end) chars in text
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -316,7 +317,9 @@ def render(
     kwargs = {**{k: v for k, v in specials.items() if v is not None}, **template_kwargs}
     text, runs = render_spans(normalized, template, tools, add_generation_prompt, **kwargs)
     ids, offsets = tokenizer.encode_with_offsets(text)
-    return Rendered(list(ids), owners_of_tokens(offsets, runs), text, len(messages))
+    return Rendered(
+        list(ids), owners_of_tokens(offsets, runs), text, len(messages), [tuple(o) for o in offsets]
+    )
 
 
 def message_text(rendered: Rendered, owner: int, tokenizer: Any) -> str:
