@@ -78,6 +78,12 @@ def test_out_of_order_template_is_refused():
         render_spans(MSGS, template, None, True)
 
 
+def test_loop_inside_a_macro_is_refused():
+    template = "{% macro all() %}{% for m in messages %}{{ m.content }}{% endfor %}{% endmacro %}{{ all() }}"
+    with pytest.raises(ChatError, match="renders into a macro"):
+        render_spans(MSGS, template, None, True)
+
+
 def test_token_spanning_a_boundary_goes_to_the_first_message(tokenizer):
     """`hel` + `lo` render as "hello", one token of the synthetic vocabulary: it cannot be split, so it
     belongs to the message its first character came from, and count_spanning reports it."""

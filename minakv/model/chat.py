@@ -211,6 +211,7 @@ class _Tracker:
     def __init__(self, messages: list[dict[str, Any]]) -> None:
         self.index = {id(m): i for i, m in enumerate(messages)}
         self.frames: list[tuple[int, int]] = []  # (loop id, message index), outermost first
+        self.entered = False  # did any loop visit a message?
 
     def enter(self, loop_id: int, *targets: Any) -> str:
         if self.frames and self.frames[-1][0] == loop_id:
@@ -218,6 +219,7 @@ class _Tracker:
         i = next((self.index[id(t)] for t in targets if id(t) in self.index), None)
         if i is not None:
             self.frames.append((loop_id, i))
+            self.entered = True
         return ""
 
     def done(self, loop_id: int) -> str:
@@ -269,6 +271,12 @@ def render_spans(
     except jinja2.TemplateError as e:
         raise ChatError(f"chat template error: {e.message}") from None
     text = "".join(pieces)
+    if not rendered_a_message and tracker.entered and n > 1:
+        # The loop ran but its output came out later as one piece: it sits in a macro or {% set %} block.
+        raise ChatError(
+            "cannot tell which message the chat template's output belongs to: its loop over messages renders "
+            "into a macro or {% set %} block"
+        )
     if not rendered_a_message and add_generation_prompt and n > 0:
         # No message was rendered inside a loop (e.g. only a system message): find the generation prompt
         # as what add_generation_prompt appends.
