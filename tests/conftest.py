@@ -15,3 +15,12 @@ def minakv_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not os.environ.get("MINAKV_CACHE"):
         os.environ["MINAKV_CACHE"] = str(tmp_path_factory.mktemp("minakv-cache"))
     return Path(os.environ["MINAKV_CACHE"])
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(minakv_cache: Path):
+    """tiny_dir("tiny-gpt-oss") -> the preset's checkpoint directory, built once per session (presets:
+    tiny-gpt-oss, tiny-gpt-oss-mxfp4, tiny-minimax-m2, tiny-minimax-m2-fp8)."""
+    from minakv.model.presets import resolve_model
+
+    return resolve_model

@@ -95,17 +95,31 @@ MINIMAX_CONFIG = {
     "vocab_size": None,  # set from the synthetic tokenizer
 }
 
-# Our own short harmony rendering: system/developer/user as is; assistant reasoning on the analysis channel,
-# answers on final, tool calls on commentary addressed to functions.NAME; tool results from functions.NAME.
+# Our own short harmony rendering: system/developer/user as is; assistant reasoning on the analysis channel
+# (when the conversation ends in a final answer, reasoning up to the first final one is dropped, as
+# openai-harmony does), answers on final, tool calls on commentary
+# addressed to functions.NAME; tool results come from functions.NAME.
 GPT_OSS_TEMPLATE = """\
+{%- set ns = namespace(first_final=-1, last_is_final=false, assistant=-1) -%}
 {%- for m in messages -%}
 {%- if m.role == 'assistant' -%}
-{%- if m.get('reasoning_content') -%}<|start|>assistant<|channel|>analysis<|message|>{{ m.reasoning_content }}<|end|>{%- endif -%}
+{%- set ns.assistant = ns.assistant + 1 -%}
+{%- if m.get('content') and ns.first_final < 0 -%}{%- set ns.first_final = ns.assistant -%}{%- endif -%}
+{%- set ns.last_is_final = (m.get('content') or '') != '' -%}
+{%- endif -%}
+{%- endfor -%}
+{%- set ns.assistant = -1 -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{%- set ns.assistant = ns.assistant + 1 -%}
+{%- if m.get('reasoning_content') and not (ns.last_is_final and ns.assistant <= ns.first_final) -%}
+<|start|>assistant<|channel|>analysis<|message|>{{ m.reasoning_content }}<|end|>
+{%- endif -%}
 {%- for tc in m.get('tool_calls') or [] -%}
-<|start|>assistant<|channel|>commentary to=functions.{{ tc.function.name }} <|constrain|>json<|message|>\
+<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary <|constrain|>json<|message|>\
 {{ tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson }}<|call|>
 {%- endfor -%}
-{%- if m.content -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif -%}
+{%- if m.get('content') -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif -%}
 {%- elif m.role == 'tool' -%}
 <|start|>functions.{{ m.get('name') or 'tool' }} to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>
 {%- else -%}
@@ -114,39 +128,40 @@ GPT_OSS_TEMPLATE = """\
 {%- endfor -%}
 {%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"""
 
-# Our own short MiniMax-M2 rendering: ]~!b[ once, then ]~b]role\\n...[e~[\\n per message (assistant = "ai"),
+# Our own short MiniMax-M2 rendering: ]~!b[ once, then ]~b]role\n...[e~[\n per message (assistant = "ai"),
 # tools listed in the system message, tool calls as <minimax:tool_call> XML, generation prompt opens <think>.
-MINIMAX_TEMPLATE = """\
-]~!b[
+# Every tag trims whitespace and newlines are written as {{ '\n' }}, so the output does not depend on the
+# trim_blocks/lstrip_blocks settings of the Jinja environment.
+MINIMAX_TEMPLATE = r"""]~!b[
 {%- if tools and messages[0].role != 'system' -%}
-]~b]system
-<tools>{% for t in tools %}<tool>{{ t | tojson }}</tool>{% endfor %}</tools>[e~[
-{% endif -%}
+]~b]system{{ '\n' }}<tools>{% for t in tools %}<tool>{{ t | tojson }}</tool>{% endfor %}</tools>[e~[{{ '\n' }}
+{%- endif -%}
 {%- for m in messages -%}
 {%- if m.role == 'system' -%}
-]~b]system
-{{ m.content }}{% if tools %}
-<tools>{% for t in tools %}<tool>{{ t | tojson }}</tool>{% endfor %}</tools>{% endif %}[e~[
-{% elif m.role == 'assistant' -%}
-]~b]ai
-{% if m.get('reasoning_content') %}<think>{{ m.reasoning_content }}</think>
-{% endif %}{{ m.content or '' }}{% for tc in m.get('tool_calls') or [] %}
-<minimax:tool_call>
-<invoke name="{{ tc.function.name }}">
-{%- if tc.function.arguments is mapping %}{% for k, v in tc.function.arguments.items() %}
-<parameter name="{{ k }}">{{ v if v is string else v | tojson }}</parameter>
-{%- endfor %}{% else %}{{ tc.function.arguments }}{% endif %}
-</invoke>
-</minimax:tool_call>{% endfor %}[e~[
-{% else -%}
-]~b]{{ m.role }}
-{{ m.content }}[e~[
-{% endif -%}
+]~b]system{{ '\n' }}{{ m.content }}
+{%- if tools %}{{ '\n' }}<tools>{% for t in tools %}<tool>{{ t | tojson }}</tool>{% endfor %}</tools>{% endif -%}
+[e~[{{ '\n' }}
+{%- elif m.role == 'assistant' -%}
+]~b]ai{{ '\n' }}
+{%- if m.get('reasoning_content') %}<think>{{ m.reasoning_content }}</think>{{ '\n' }}{% endif -%}
+{{ m.content or '' }}
+{%- for tc in m.get('tool_calls') or [] -%}
+{{ '\n' }}<minimax:tool_call>{{ '\n' }}<invoke name="{{ tc.function.name }}">
+{%- if tc.function.arguments is mapping -%}
+{%- for k, v in tc.function.arguments.items() -%}
+{{ '\n' }}<parameter name="{{ k }}">{{ v if v is string else v | tojson }}</parameter>
+{%- endfor -%}
+{%- else -%}{{ tc.function.arguments }}{%- endif -%}
+{{ '\n' }}</invoke>{{ '\n' }}</minimax:tool_call>
+{%- endfor -%}
+[e~[{{ '\n' }}
+{%- else -%}
+]~b]{{ m.role }}{{ '\n' }}{{ m.content }}[e~[{{ '\n' }}
+{%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
-]~b]ai
-<think>
-{% endif -%}"""
+]~b]ai{{ '\n' }}<think>{{ '\n' }}
+{%- endif -%}"""
 
 MINIMAX_SPECIALS = ["]!p~[", "]~b]", "[e~[", "]~!b["]  # control tokens (skipped by decode(skip_special))
 MINIMAX_ADDED = ["<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"]  # kept in text

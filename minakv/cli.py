@@ -1,0 +1,104 @@
+"""The `minakv` command line.
+
+    minakv generate [MODEL] [--prompt TEXT] [--max-tokens N] [--device D] [--dtype T] [--raw]
+    minakv build-tiny PRESET PATH [--seed N] [--quant mxfp4|fp8]
+
+MODEL is a preset name (default tiny-gpt-oss, built on first use), a local checkpoint directory or a Hugging
+Face repo id. `generate` renders the prompt as one user message with the model's chat template (unless
+--raw), decodes greedily and prints the text and the decode speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from minakv.model.presets import DEFAULT_MODEL, PRESETS
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from minakv.model import generate_greedy, load_model
+    from minakv.model.chat import render
+    from minakv.model.presets import resolve_model
+    from minakv.model.tokenizer import Tokenizer
+
+    path = resolve_model(args.model)
+    tokenizer = Tokenizer.from_dir(path)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model = load_model(path, device=args.device, dtype=dtype)
+    if args.raw or not tokenizer.chat_template:
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        prompt_ids = render([{"role": "user", "content": args.prompt}], tokenizer).token_ids
+    start = time.perf_counter()
+    out = generate_greedy(model, prompt_ids, args.max_tokens, stop_ids=tokenizer.eos_token_ids or None)
+    seconds = time.perf_counter() - start
+    print(tokenizer.decode(out))
+    print(
+        f"[{len(prompt_ids)} prompt tokens, {len(out)} generated in {seconds:.2f} s: "
+        f"{len(out) / max(seconds, 1e-9):.1f} tokens/s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_build_tiny(args: argparse.Namespace) -> int:
+    from minakv.model.tiny import build_tiny
+
+    path = build_tiny(args.preset, args.path, seed=args.seed, quant=args.quant)
+    print(path)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minakv", description="minakv: a small MoE inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="greedy generation from one prompt")
+    gen.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"preset ({', '.join(PRESETS)}), checkpoint directory or hub repo id (default {DEFAULT_MODEL})",
+    )
+    gen.add_argument("--prompt", default="What is the capital of France?")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    gen.add_argument(
+        "--dtype", choices=DTYPES, default=None, help="default: bfloat16 on cuda, float32 on cpu"
+    )
+    gen.add_argument(
+        "--raw", action="store_true", help="tokenize the prompt as is, without the chat template"
+    )
+    gen.set_defaults(run=cmd_generate)
+
+    tiny = sub.add_parser("build-tiny", help="write a tiny random checkpoint in a real Hugging Face format")
+    tiny.add_argument("preset", choices=["tiny-gpt-oss", "tiny-minimax-m2"])
+    tiny.add_argument("path")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--quant", choices=["mxfp4", "fp8"], default=None)
+    tiny.set_defaults(run=cmd_build_tiny)
+
+    # `minakv serve` is added here by the server.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if getattr(args, "max_tokens", 1) < 1:
+        print("minakv: error: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+        print(f"minakv: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
