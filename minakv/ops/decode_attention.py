@@ -101,7 +101,7 @@ def decode_attention_triton(
 
     part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, part_acc, part_ml,
         scale * LOG2E, window if window is not None else 0, keys_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -141,8 +141,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)  # fastest: the KV heads of one key row are read together
+    b = tl.program_id(1)
     split = tl.program_id(2)
     start = tl.load(indptr_ptr + b)
     end = tl.load(indptr_ptr + b + 1)
@@ -192,7 +192,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    row = b * tl.num_programs(1) * GROUP + heads  # b * Hq + head
+    row = b * tl.num_programs(0) * GROUP + heads  # b * Hq + head
     out_mask = (g < GROUP)[:, None] & (d < D)[None, :]
     tl.store(acc_ptr + (row[:, None] * NUM_SPLITS + split) * D + d[None, :], acc, mask=out_mask)
     ml = ml_ptr + (row * NUM_SPLITS + split) * 2

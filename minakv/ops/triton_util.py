@@ -8,6 +8,7 @@ CPU tensors. Each op picks the Triton path for CUDA tensors and its torch refere
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -50,9 +51,15 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device (4 for the CPU interpreter): sizes split-K grids."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def check(cond: bool, message: str) -> None:
