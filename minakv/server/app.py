@@ -144,11 +144,14 @@ async def start(
         raise RequestError(
             f"server overloaded: {e}", status=503, type="server_error", code="overloaded"
         ) from None
-    except CacheOpError as e:
-        param = ops.drop_param if ops is not None and "drop" in str(e) else None
-        if param is None and ops is not None and "reposition" in str(e):
+    except CacheOpError as e:  # the compiler's messages start with the operation at fault
+        text = str(e)
+        param = prompt_param
+        if ops is not None and text.startswith("drop"):
+            param = ops.drop_param
+        elif ops is not None and text.startswith("reposition"):
             param = ops.reposition_param
-        raise RequestError(f"invalid cache operation: {e}", param or "cache") from None
+        raise RequestError(f"invalid cache operation: {text}", param) from None
     except ValueError as e:
         raise bad_prompt(e, prompt_param) from None
     return stream, first
@@ -184,6 +187,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"{param_name} must be a positive integer, got {max_tokens}", param_name)
     params = prompts.sampling_params(req, max_tokens or engine.max_model_len, logprobs)
     prompt, ops, tools_on = prompts.chat_prompt(req, msgspec.json.decode(body))
+    parser = output.ChatParser(engine, prompt.get("tools") if tools_on else None)
     if ops is not None and ops.thinking_drop:
         try:
             prompt = prompts.thinking_drop_prompt(engine.tokenizer, prompt, ops)
@@ -193,16 +197,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise bad_prompt(e, "messages") from None
     rid, created, model = new_id("chatcmpl"), int(time.time()), settings["names"][0]
     stream, first = await start(engine, prompt, params, rid, ops, "messages")
-    parser = output.ChatParser(engine, tools_on)
     with_usage = has_cache_ops(req) or bool(req.stream_options and req.stream_options.include_usage)
     done = False
     try:
         if not req.stream:
             last = first
-            parser.feed(first)
+            parser.step(first)
             while not last.finished:
                 last = await stream.__anext__()
-                parser.feed(last)
+                parser.step(last)
             done = True
             message, finish_reason = parser.message(last.finish_reason)
             choice = ChatChoice(0, message, finish_reason, parser.logprobs_all())

@@ -9,16 +9,23 @@ increment, so the deltas add up to the non-streamed message.
 from __future__ import annotations
 
 import functools
+import uuid
 from typing import Any
 
+from minakv.model import parsers
+from minakv.model.parsers import make_parser
 from minakv.model.tokenizer import byte_to_unicode
 from minakv.sampling import RequestOutput, TokenLogprob
 from minakv.server.protocol import (
     ChoiceLogprobs,
     CompletionLogprobs,
     Delta,
+    FunctionCallDelta,
+    FunctionCallOut,
     ResponseMessage,
     TokenLogprobInfo,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
 )
 
@@ -87,34 +94,53 @@ class CompletionLogprobsBuilder:
 
 
 class ChatParser:
-    """Accumulates a chat response from increments; `deltas` for streaming, `message` at the end."""
+    """Accumulates a chat response from increments: `deltas` while streaming, `message` at the end. The
+    family's output parser holds back text that may still turn into a tag, so the streamed deltas add up
+    to exactly the non-streamed message."""
 
-    def __init__(self, engine: Any, tools_on: bool) -> None:
+    def __init__(self, engine: Any, tools: list[dict] | None) -> None:
         self.tokenizer = engine.tokenizer
-        self.tools_on = tools_on
-        self.text = ""
-        self.lps: list[TokenLogprob] = []
-        self.want_logprobs = False
-        self.tool_calls_seen = False
+        arch = getattr(getattr(getattr(engine, "model", None), "config", None), "arch", None)
+        self.parser = make_parser(arch, tools, id_prefix=f"call_{uuid.uuid4().hex[:16]}_")
+        self.parsed: list[parsers.Delta] = []
+        self.lps: list[TokenLogprob] | None = None
 
-    def feed(self, out: RequestOutput) -> None:
-        self.text += out.text
+    def step(self, out: RequestOutput) -> list[parsers.Delta]:
         if out.logprobs is not None:
-            self.want_logprobs = True
-            self.lps += out.logprobs
+            self.lps = (self.lps or []) + out.logprobs
+        new = self.parser.feed(out.text)
+        if out.finished:
+            new = parsers.merge(new + self.parser.finish())
+        self.parsed += new
+        return new
 
     def deltas(self, out: RequestOutput) -> list[tuple[Delta, ChoiceLogprobs | None]]:
-        self.feed(out)
+        """The chunks for one increment: its parsed pieces, the increment's logprobs on the first."""
+        pieces = [wire_delta(d) for d in self.step(out)]
         lps = ChoiceLogprobs(chat_logprobs(self.tokenizer, out.logprobs)) if out.logprobs else None
-        if not out.text and lps is None:
-            return []
-        return [(Delta(content=out.text), lps)]
+        if lps is not None and not pieces:
+            pieces = [Delta()]
+        return [(d, lps if i == 0 else None) for i, d in enumerate(pieces)]
 
     def message(self, finish_reason: str | None) -> tuple[ResponseMessage, str | None]:
-        return ResponseMessage(content=self.text), self.finish_reason(finish_reason)
+        parsed = parsers.collect(self.parsed)
+        calls = [ToolCallOut(c.id, FunctionCallOut(c.name, c.arguments)) for c in parsed.tool_calls]
+        return ResponseMessage(
+            parsed.content, reasoning_content=parsed.reasoning_content, tool_calls=calls
+        ), (self.finish_reason(finish_reason))
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.tool_calls_seen and reason == "stop" else reason
+        called = any(d.kind == "tool_call" for d in self.parsed)
+        return "tool_calls" if called and reason == "stop" else reason
 
     def logprobs_all(self) -> ChoiceLogprobs | None:
-        return ChoiceLogprobs(chat_logprobs(self.tokenizer, self.lps)) if self.want_logprobs else None
+        return ChoiceLogprobs(chat_logprobs(self.tokenizer, self.lps)) if self.lps is not None else None
+
+
+def wire_delta(d: parsers.Delta) -> Delta:
+    if d.kind == "reasoning":
+        return Delta(reasoning_content=d.text)
+    if d.kind == "content":
+        return Delta(content=d.text)
+    fn = FunctionCallDelta(name=d.name, arguments=d.text)
+    return Delta(tool_calls=[ToolCallDelta(d.index, d.id, "function" if d.id else None, fn)])

@@ -9,20 +9,41 @@ import sys
 from aiohttp import web
 
 
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def port(text: str) -> int:
+    value = positive(text) if text != "0" else 0
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0..65535), got {text!r}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="minakv serve", description="OpenAI-compatible HTTP server for one model."
     )
     p.add_argument("model", help="a local Hugging Face model folder, a hub id, or a built-in tiny preset")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--page-size", type=int, default=16, help="KV slots per page")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in positions")
-    p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before HTTP 503")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoding at once")
+    p.add_argument("--page-size", type=positive, default=16, help="KV slots per page")
+    p.add_argument("--kv-cache-tokens", type=positive, default=None, help="KV pool size in tokens")
+    p.add_argument(
+        "--max-model-len", type=positive, default=None, help="longest prompt + output, in positions"
+    )
+    p.add_argument(
+        "--max-queued-requests", type=positive, default=256, help="waiting requests before HTTP 503"
+    )
+    p.add_argument("--max-num-seqs", type=positive, default=None, help="requests decoding at once")
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (MiB)")
