@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_model_parity import quantise_checkpoint, rel_err, save_hf
 
-from minakv.model import load_model
+from minakv.model import generate_greedy, load_model
 from minakv.model.context import DenseContext
 from minakv.model.loader import CheckpointError, resolve_path
 
@@ -179,29 +177,13 @@ def test_shard_index_pointing_to_a_missing_file(tiny: dict[str, Path], tmp_path:
         load_model(sharded, device="cpu")
 
 
-def test_where_models_come_from(
-    tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_where_models_come_from(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """Directories, built-in presets (minakv.model.presets) and clear errors for anything else."""
     assert resolve_path(tiny["gpt_oss"]) == tiny["gpt_oss"]
-    with pytest.raises(FileNotFoundError, match="not a model directory"):
-        resolve_path(tmp_path / "nowhere")
-
-    calls = []
-
-    def fake_download(repo_id: str, allow_patterns: list[str]) -> str:
-        calls.append((repo_id, allow_patterns))
-        return str(tiny["minimax_m2"])
-
-    import huggingface_hub
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
-    presets = types.ModuleType("minakv.model.presets")
-    presets.resolve_model = lambda name: {"tiny-test": tiny["gpt_oss"]}.get(name)
-    monkeypatch.setitem(sys.modules, "minakv.model.presets", presets)
-    assert resolve_path("tiny-test") == tiny["gpt_oss"]
-    assert resolve_path("someone/some-model") == tiny["minimax_m2"]
-    assert calls[0][0] == "someone/some-model"
-    assert "*.safetensors" in calls[0][1] and "*.json" in calls[0][1]
+    model = load_model("tiny-minimax-m2", device="cpu")
+    assert model.config.arch == "minimax_m2" and len(generate_greedy(model, [5, 6, 7], 3, stop_ids=[])) == 3
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_model(tmp_path / "nowhere")
 
 
 def test_tied_embeddings(tmp_path: Path) -> None:
@@ -210,6 +192,7 @@ def test_tied_embeddings(tmp_path: Path) -> None:
     config = transformers.MiniMaxM2Config(
         num_hidden_layers=1, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256, rotary_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
     transformers.MiniMaxM2ForCausalLM(config).save_pretrained(tmp_path)

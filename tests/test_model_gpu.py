@@ -1,5 +1,6 @@
-"""The models on a CUDA device: fp32 logits equal transformers' (on CPU), bf16 runs close to them, and
-the packed MXFP4 experts stay on the device. Skipped without CUDA."""
+"""The models on a CUDA device: fp32 logits equal minakv's on CPU (which tests/test_model_parity.py
+holds to transformers), bf16 runs close to them, and the packed MXFP4 experts live on the device.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_parity import checkpoints, load_hf, rel_err  # noqa: F401  (checkpoints is a fixture)
+from test_model_parity import checkpoints, rel_err  # noqa: F401  (checkpoints is a fixture)
 
 from minakv.model import generate_greedy, load_model
 from minakv.model.context import DenseContext
@@ -18,21 +19,25 @@ pytestmark = [
 ]
 
 
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    ctx = DenseContext()
+    ctx.advance(len(ids))
+    return model.compute_logits(model(ids.to(model.embed_tokens.weight.device), ctx)).cpu()
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("which", ["gpt_oss", "gpt_oss_mxfp4", "minimax_m2", "minimax_m2_fp8"])
-def test_cuda_logits_match_transformers(checkpoints: dict[str, Path], which: str) -> None:  # noqa: F811
+def test_cuda_matches_cpu(checkpoints: dict[str, Path], which: str) -> None:  # noqa: F811
     path = checkpoints[which]
     ids = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(0))
-    ref = load_hf(path)(ids[None]).logits[0]
-    errors = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model = load_model(path, device="cuda", dtype=dtype)
-        ctx = DenseContext()
-        ctx.advance(len(ids))
-        errors[dtype] = rel_err(model.compute_logits(model(ids.cuda(), ctx)).cpu(), ref)
-    assert errors[torch.float32] < 1e-4, errors
-    assert errors[torch.bfloat16] < 0.5, errors  # tiny random models are chaotic in bf16 (see test_loader)
+    ref = logits(load_model(path, device="cpu", dtype=torch.float32), ids)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fp32 = load_model(path, device="cuda", dtype=torch.float32)
+    assert rel_err(logits(fp32, ids), ref) < 1e-4
+    bf16 = load_model(path, device="cuda")  # cuda default: bfloat16
+    assert bf16.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert rel_err(logits(bf16, ids), ref) < 0.5  # tiny random models are chaotic in bf16 (see test_loader)
     if which == "gpt_oss_mxfp4":
-        packed = model.layers[0].mlp.experts.mxfp4
+        packed = bf16.layers[0].mlp.experts.mxfp4
         assert packed is not None and packed["gate_up_blocks"].is_cuda
-    assert len(generate_greedy(model, ids.tolist(), 4, stop_ids=[])) == 4
+    assert len(generate_greedy(bf16, ids.tolist(), 4, stop_ids=[])) == 4

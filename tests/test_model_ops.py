@@ -55,7 +55,8 @@ def test_rope_tables_match_transformers_at_real_sizes(family: str) -> None:
     if family == "gpt_oss":
         hf = transformers.GptOssConfig()  # defaults are gpt-oss-20b's attention/rope settings
     else:
-        hf = transformers.MiniMaxM2Config(head_dim=128, rotary_dim=64, rope_theta=5e6)
+        rope = {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}
+        hf = transformers.MiniMaxM2Config(head_dim=128, rotary_dim=64, rope_parameters=rope)
     d = hf.to_dict()
     d["architectures"] = [type(hf).__name__.replace("Config", "ForCausalLM")]
     config = ModelConfig.from_hf(d)

@@ -35,17 +35,19 @@ def gpt_oss_config() -> transformers.GptOssConfig:
     return transformers.GptOssConfig(
         num_hidden_layers=4, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=256,
-        sliding_window=WINDOW, max_position_embeddings=131072, initializer_range=0.2, swiglu_limit=1.5,
+        sliding_window=WINDOW, max_position_embeddings=131072, initializer_range=0.2,
         layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
 
 
 def minimax_config() -> transformers.MiniMaxM2Config:
-    # hidden 256 / intermediate 128 give FP8 scale grids larger than 1x1.
+    # hidden 256 / intermediate 128 give FP8 scale grids larger than 1x1. The partial rotary is given in
+    # both spellings: older transformers 5.x read only rope_parameters' partial_rotary_factor.
     return transformers.MiniMaxM2Config(
         num_hidden_layers=3, hidden_size=256, intermediate_size=128, head_dim=32, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=256, rotary_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
         initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
 
@@ -62,6 +64,8 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
             t.copy_(1.0 + 0.3 * noise)
         elif name.endswith(("bias", "sinks")):
             t.copy_(0.5 * noise)
+        elif name.endswith("experts.gate_up_proj") and t.dim() == 3:
+            t.mul_(5.0)  # GPT-OSS: push gate/up past the swiglu limit (7) so both clamps act
 
 
 def save_hf(arch: str, path: Path, seed: int = 0) -> Path:

@@ -27,7 +27,6 @@ from minakv.model.layers import CausalLM
 from minakv.model.minimax_m2 import MiniMaxM2Experts
 from minakv.model.quant import dequantize_fp8_block, dequantize_mxfp4
 
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 IGNORED = re.compile(r"(^|\.)mtp\.|rotary_emb\.inv_freq$")  # MiniMax MTP heads (unused), RoPE caches
 
 
@@ -164,27 +163,11 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device) -> Non
 
 
 def resolve_path(model: str | Path) -> Path:
-    """A local directory as is; else a built-in preset (minakv.model.presets, when present); else a hub
-    repo id, downloaded (config, tokenizer and safetensors files only)."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        from minakv.model.presets import resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        try:
-            resolved = resolve_model(str(model))
-        except KeyError:
-            resolved = None
-        if resolved is not None and Path(resolved).is_dir():
-            return Path(resolved)
-    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
-        raise FileNotFoundError(f"{model!r} is not a model directory, a preset or a hub repo id (owner/name)")
-    from huggingface_hub import snapshot_download
+    """A local directory, a built-in preset name or a hub repo id -> a local checkpoint directory
+    (minakv.model.presets owns that mapping; imported here lazily, since it pulls in the tokenizer)."""
+    from minakv.model.presets import resolve_model
 
-    return Path(snapshot_download(repo_id=str(model), allow_patterns=HUB_PATTERNS))
+    return Path(resolve_model(model))
 
 
 def load_model(
