@@ -28,13 +28,20 @@ __all__ = [
 ]  # fmt: skip
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def default_device_dtype(
-    device: str | torch.device | None, dtype: torch.dtype | None
+    device: str | torch.device | None, dtype: torch.dtype | str | None
 ) -> tuple[torch.device, torch.dtype]:
-    """cuda if available; bfloat16 on cuda, float32 on cpu, unless given."""
+    """cuda if available; bfloat16 on cuda, float32 on cpu, unless given (a dtype may be named)."""
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+        dtype = DTYPES[dtype]
     return device, dtype
 
 
@@ -56,7 +63,7 @@ def make_empty_model(config: ModelConfig, device: torch.device, dtype: torch.dty
 def build_model(
     config: ModelConfig,
     device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     seed: int = 0,
 ) -> CausalLM:
     """A model with random weights (normal(0, 0.02); norm weights 1) for tests and benchmarks."""
@@ -73,7 +80,7 @@ def build_model(
 
 
 def load_model(
-    model: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+    model: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None
 ) -> CausalLM:
     """Load a local Hugging Face directory, a built-in preset name or a hub repo id."""
     from minakv.model.loader import load_model as _load

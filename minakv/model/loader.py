@@ -171,7 +171,7 @@ def resolve_path(model: str | Path) -> Path:
 
 
 def load_model(
-    model: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+    model: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None
 ) -> CausalLM:
     """Load a model directory / preset / hub repo into a CausalLM on `device` in `dtype` (defaults:
     cuda + bfloat16 when available, else cpu + float32)."""
