@@ -138,7 +138,7 @@ def test_gpt_oss_template_matches_harmony(tiny_dir, monkeypatch: pytest.MonkeyPa
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "reasoning_content": "I should call the tool.", "tool_calls": [call]},
-        {"role": "tool", "name": "get_weather", "content": '{"temp": 20}'},
+        {"role": "tool", "content": '{"temp": 20}'},  # named after the call
         {"role": "assistant", "content": "It is 20 C."},
         {"role": "user", "content": "Thanks! And tomorrow?"},
         {"role": "assistant", "reasoning_content": "Call again."},

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from minakv.model.quant import quantize_fp8_block, quantize_mxfp4
 from minakv.model.tokenizer import build_bpe_tokenizer, gpt_oss_tokenizer_json
 
-BUILDER_VERSION = 1  # bump when the bytes written for a seed change
+BUILDER_VERSION = 2  # bump when the bytes written for a seed change
 
 GPT_OSS_CONFIG = {
     "architectures": ["GptOssForCausalLM"],
@@ -98,9 +98,9 @@ MINIMAX_CONFIG = {
 # Our own short harmony rendering: system/developer/user as is; assistant reasoning on the analysis channel
 # (when the conversation ends in a final answer, reasoning up to the first final one is dropped, as
 # openai-harmony does), answers on final, tool calls on commentary
-# addressed to functions.NAME; tool results come from functions.NAME.
+# addressed to functions.NAME; tool results come from functions.NAME (their `name`, else the last call's).
 GPT_OSS_TEMPLATE = """\
-{%- set ns = namespace(first_final=-1, last_is_final=false, assistant=-1) -%}
+{%- set ns = namespace(first_final=-1, last_is_final=false, assistant=-1, tool='tool') -%}
 {%- for m in messages -%}
 {%- if m.role == 'assistant' -%}
 {%- set ns.assistant = ns.assistant + 1 -%}
@@ -116,12 +116,13 @@ GPT_OSS_TEMPLATE = """\
 <|start|>assistant<|channel|>analysis<|message|>{{ m.reasoning_content }}<|end|>
 {%- endif -%}
 {%- for tc in m.get('tool_calls') or [] -%}
+{%- set ns.tool = tc.function.name -%}
 <|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary <|constrain|>json<|message|>\
 {{ tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson }}<|call|>
 {%- endfor -%}
 {%- if m.get('content') -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif -%}
 {%- elif m.role == 'tool' -%}
-<|start|>functions.{{ m.get('name') or 'tool' }} to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>
+<|start|>functions.{{ m.get('name') or ns.tool }} to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>
 {%- else -%}
 <|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>
 {%- endif -%}

@@ -276,10 +276,7 @@ class Tokenizer:
         if eos_token is not None and self.token_to_id(eos_token) is not None:
             ids.append(self.token_to_id(eos_token))
         self.eos_token_ids: list[int] = list(dict.fromkeys(ids))  # de-duplicated, order kept
-        # Two configured encoders: tokenizers decides at the Tokenizer level whether special-token text is
-        # matched as a special token or encoded as ordinary text.
-        self._plain = HFTokenizer.from_str(tok.to_str())
-        self._plain.encode_special_tokens = True
+        self._plain: HFTokenizer | None = None  # built on first use of allow_special=False
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -319,19 +316,27 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.tok.id_to_token(token_id)
 
+    def _encoder(self, allow_special: bool) -> HFTokenizer:
+        if allow_special:
+            return self.tok
+        if self._plain is None:
+            # `tokenizers` decides per Tokenizer object whether special-token text is matched as a special
+            # token or encoded as ordinary text, so plain encoding needs a second, configured copy.
+            self._plain = HFTokenizer.from_str(self.tok.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain
+
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         """Token ids of `text`. With allow_special, special-token text (e.g. `<|start|>`) becomes the special
         token; without, it is encoded as ordinary text."""
-        tok = self.tok if allow_special else self._plain
-        return tok.encode(text, add_special_tokens=False).ids
+        return self._encoder(allow_special).encode(text, add_special_tokens=False).ids
 
     def encode_with_offsets(
         self, text: str, allow_special: bool = True
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and, per token, the (start, end) character span of `text` it came from. A token that
         holds only part of a character's UTF-8 bytes reports that whole character."""
-        tok = self.tok if allow_special else self._plain
-        enc = tok.encode(text, add_special_tokens=False)
+        enc = self._encoder(allow_special).encode(text, add_special_tokens=False)
         return enc.ids, [tuple(o) for o in enc.offsets]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
