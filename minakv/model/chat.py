@@ -27,6 +27,7 @@ import bisect
 import functools
 import json
 from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
@@ -60,8 +61,9 @@ class Rendered:
 
 
 class OwnerHooks(jinja2.ext.Extension):
-    """Injects `{{ _minakv_enter(id, <loop target>) }}` at the start of every for-loop body and
-    `{{ _minakv_done(id) }}` after every `{% endfor %}`. Works on the token stream, after whitespace
+    """Injects `{{ id|_minakv_enter(<loop target>) }}` at the start of every for-loop body and
+    `{{ id|_minakv_done }}` after every `{% endfor %}` (filters: the sandbox calls them directly, which
+    is several times cheaper than a sandboxed function call). Works on the token stream, after whitespace
     control is applied, so the template's output is unchanged. Also accepts HF's `{% generation %}` tag
     (a training-time marker) and renders its body as is."""
 
@@ -96,22 +98,37 @@ class OwnerHooks(jinja2.ext.Extension):
                         break
                 loop_id, next_id = next_id, next_id + 1
                 open_loops.append(loop_id)
-                yield from _call(t.lineno, ENTER, loop_id, target)
+                yield from _hook(t.lineno, ENTER, loop_id, target)
             elif head.test("name:endfor") and open_loops:
                 for t in tokens:
                     yield t
                     if t.type == "block_end":
                         break
-                yield from _call(t.lineno, DONE, open_loops.pop(), [])
+                yield from _hook(t.lineno, DONE, open_loops.pop(), [])
 
 
-def _call(lineno: int, name: str, loop_id: int, args: list[Token]) -> list[Token]:
-    """Tokens of `{{ name(loop_id, args...) }}`."""
-    call = [Token(lineno, "name", name), Token(lineno, "lparen", "("), Token(lineno, "integer", loop_id)]
+def _hook(lineno: int, name: str, loop_id: int, args: list[Token]) -> list[Token]:
+    """Tokens of `{{ loop_id|name(args) }}` (or `{{ loop_id|name }}`)."""
+    call = [Token(lineno, "integer", loop_id), Token(lineno, "pipe", "|"), Token(lineno, "name", name)]
     if args:
-        call += [Token(lineno, "comma", ","), *args]
-    return [Token(lineno, "variable_begin", "{{"), *call, Token(lineno, "rparen", ")"),
-            Token(lineno, "variable_end", "}}")]  # fmt: skip
+        call += [Token(lineno, "lparen", "("), *args, Token(lineno, "rparen", ")")]
+    return [Token(lineno, "variable_begin", "{{"), *call, Token(lineno, "variable_end", "}}")]
+
+
+_TRACKER: ContextVar[_Tracker | None] = ContextVar("minakv_owner_tracker", default=None)
+
+
+# pass_context keeps Jinja from evaluating the hooks once at compile time (constant folding).
+@jinja2.pass_context
+def _enter(_context: Any, loop_id: int, *targets: Any) -> str:
+    tracker = _TRACKER.get()
+    return tracker.enter(loop_id, *targets) if tracker else ""
+
+
+@jinja2.pass_context
+def _done(_context: Any, loop_id: int) -> str:
+    tracker = _TRACKER.get()
+    return tracker.done(loop_id) if tracker else ""
 
 
 def _raise_exception(message: str) -> None:
@@ -135,6 +152,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, OwnerHooks]
     )
     env.filters["tojson"] = _tojson
+    env.filters[ENTER], env.filters[DONE] = _enter, _done
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -216,10 +234,12 @@ class _Tracker:
     def enter(self, loop_id: int, *targets: Any) -> str:
         if self.frames and self.frames[-1][0] == loop_id:
             self.frames.pop()
-        i = next((self.index[id(t)] for t in targets if id(t) in self.index), None)
-        if i is not None:
-            self.frames.append((loop_id, i))
-            self.entered = True
+        for t in targets:
+            i = self.index.get(id(t))
+            if i is not None:
+                self.frames.append((loop_id, i))
+                self.entered = True
+                break
         return ""
 
     def done(self, loop_id: int) -> str:
@@ -243,11 +263,11 @@ def render_spans(
         "bos_token": "", "eos_token": "",  # templates may print them; a tokenizer's own values override
         **template_kwargs,
         "messages": messages, "tools": tools or None, "add_generation_prompt": add_generation_prompt,
-        ENTER: tracker.enter, DONE: tracker.done,
     }  # fmt: skip
     pieces: list[str] = []
     runs: list[tuple[int, int]] = []
     at, rendered_a_message = 0, False
+    active = _TRACKER.set(tracker)
     try:
         for chunk in compile_template(template).generate(**context):
             if not chunk:
@@ -270,6 +290,8 @@ def render_spans(
             at += len(chunk)
     except jinja2.TemplateError as e:
         raise ChatError(f"chat template error: {e.message}") from None
+    finally:
+        _TRACKER.reset(active)
     text = "".join(pieces)
     if not rendered_a_message and tracker.entered and n > 1:
         # The loop ran but its output came out later as one piece: it sits in a macro or {% set %} block.
