@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
+_OWN_CACHE: str | None = None
 
-@pytest.fixture(scope="session", autouse=True)
-def minakv_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+
+def pytest_configure(config: pytest.Config) -> None:
     """Generated files (o200k tokenizer, tiny checkpoints) go to $MINAKV_CACHE. Unless the caller set it,
-    use a fresh folder so tests never read a stale user cache (subprocesses inherit it)."""
+    use a fresh folder for this session, set before collection, so tests never read a stale user cache
+    (subprocesses inherit it)."""
+    global _OWN_CACHE
     if not os.environ.get("MINAKV_CACHE"):
-        os.environ["MINAKV_CACHE"] = str(tmp_path_factory.mktemp("minakv-cache"))
+        _OWN_CACHE = tempfile.mkdtemp(prefix="minakv-cache-")
+        os.environ["MINAKV_CACHE"] = _OWN_CACHE
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def minakv_cache() -> Path:
     return Path(os.environ["MINAKV_CACHE"])
 
 

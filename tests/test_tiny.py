@@ -32,9 +32,10 @@ def files(path: Path) -> dict[str, bytes]:
 def test_same_seed_same_bytes(tmp_path: Path, preset: str, quant: str | None):
     a = files(build_tiny(preset, tmp_path / "a", seed=3, quant=quant))
     b = files(build_tiny(preset, tmp_path / "b", seed=3, quant=quant))
-    c = files(build_tiny(preset, tmp_path / "c", seed=4, quant=quant))
     assert a == b
-    assert a["model.safetensors"] != c["model.safetensors"]
+    if preset == "tiny-minimax-m2":  # the small one: a different seed gives different weights
+        c = files(build_tiny(preset, tmp_path / "c", seed=4, quant=quant))
+        assert a["model.safetensors"] != c["model.safetensors"] and a["tokenizer.json"] == c["tokenizer.json"]
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(a)
 
 

@@ -23,7 +23,7 @@ PRESETS: dict[str, tuple[str, str | None]] = {
     "tiny-minimax-m2-fp8": ("tiny-minimax-m2", "fp8"),
 }
 DEFAULT_MODEL = "tiny-gpt-oss"
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]
 
 
 def preset_dir(name: str) -> Path:
