@@ -225,9 +225,17 @@ def test_serve_cli_subprocess(tmp_path: Path) -> None:
         log.close()
 
 
-def test_serve_cli_bad_arguments() -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "minakv.server.serve", MODEL, "--page-size", "0"], capture_output=True, text=True,
-        timeout=120, check=False,
-    )  # fmt: skip
-    assert r.returncode == 2 and "--page-size: must be a positive integer, got '0'" in r.stderr
+def test_serve_cli_bad_arguments(capsys: pytest.CaptureFixture) -> None:
+    from minakv.server.serve import serve_main
+
+    for argv, words in [
+        ([MODEL, "--page-size", "0"], "--page-size: must be a positive integer, got '0'"),
+        ([MODEL, "--port", "70000"], "--port: must be a port number"),
+        ([MODEL, "--dtype", "int3"], "--dtype: invalid choice"),
+        ([], "the following arguments are required: model"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            serve_main(argv)
+        assert info.value.code == 2 and words in capsys.readouterr().err
+    assert serve_main(["no-such-model-anywhere"]) == 2
+    assert "is not a local directory, a preset" in capsys.readouterr().err

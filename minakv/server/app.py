@@ -187,7 +187,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"{param_name} must be a positive integer, got {max_tokens}", param_name)
     params = prompts.sampling_params(req, max_tokens or engine.max_model_len, logprobs)
     prompt, ops, tools_on = prompts.chat_prompt(req, msgspec.json.decode(body))
-    parser = output.ChatParser(engine, prompt.get("tools") if tools_on else None)
+    tools = prompt.get("tools") if tools_on else None
+    parser = output.ChatParser(engine.model.config.arch, engine.tokenizer, tools)
     if ops is not None and ops.thinking_drop:
         try:
             prompt = prompts.thinking_drop_prompt(engine.tokenizer, prompt, ops)

@@ -98,9 +98,10 @@ class ChatParser:
     family's output parser holds back text that may still turn into a tag, so the streamed deltas add up
     to exactly the non-streamed message."""
 
-    def __init__(self, engine: Any, tools: list[dict] | None) -> None:
-        self.tokenizer = engine.tokenizer
-        arch = getattr(getattr(getattr(engine, "model", None), "config", None), "arch", None)
+    def __init__(self, arch: str | None, tokenizer: Any, tools: list[dict] | None) -> None:
+        """`arch`: the model family (`ModelConfig.arch`) choosing the output format; `tools`: the
+        request's tools (MiniMax types parameter values by their schema)."""
+        self.tokenizer = tokenizer
         self.parser = make_parser(arch, tools, id_prefix=f"call_{uuid.uuid4().hex[:16]}_")
         self.parsed: list[parsers.Delta] = []
         self.lps: list[TokenLogprob] | None = None
