@@ -250,38 +250,38 @@ def test_cache_operation_zeros_reported(client: openai.OpenAI) -> None:
     assert raw["repos_tokens"] == 0 and raw["drop_skipped_tokens"] == 0 and "cached_tokens" in raw
 
 
-def test_thinking_drop_drops_reasoning_segment(engine: Engine, client: openai.OpenAI) -> None:
+def hand_thinking_drop(
+    tokenizer, msgs: list[dict], index: int, reasoning: str, tools=None
+) -> tuple[dict, int]:
+    """thinking_drop built by hand (the reference): the smallest run of message `index`'s tokens whose text
+    holds `reasoning` becomes its own segment, every message and the generation prompt one segment each,
+    and the reasoning segment is dropped at the end of its message. Returns (prompt, prompt length)."""
     from minakv.model.chat import render
 
+    rendered = render(msgs, tokenizer, tools=tools)
+    ids, owners = rendered.token_ids, rendered.owners
+    mine = [t for t in range(len(ids)) if owners[t] == index]
+    lo = max(t for t in mine if reasoning in tokenizer.decode(ids[t : mine[-1] + 1]))
+    hi = min(t for t in range(lo, mine[-1] + 1) if reasoning in tokenizer.decode(ids[lo : t + 1]))
+    cuts = sorted({owners.index(o) for o in set(owners)} | {lo, hi + 1, len(ids)})
+    segments = [ids[a:b] for a, b in pairwise(cuts)]
+    seg_of = {t: k for k, (a, b) in enumerate(pairwise(cuts)) for t in range(a, b)}
+    return {"segments": segments, "cache": {"drop": {seg_of[mine[-1]]: [seg_of[lo]]}}}, len(ids)
+
+
+def test_thinking_drop_drops_reasoning_segment(engine: Engine, client: openai.OpenAI) -> None:
     msgs = [
         {"role": "user", "content": "what is the weather"},
         {"role": "assistant", "content": "it is sunny", "reasoning_content": "think about the weather"},
         {"role": "user", "content": "and today"},
     ]
-    # reference built by hand: the tokens of message 1 that decode to the reasoning text form their own
-    # segment, dropped right after message 1
-    rendered = render(msgs, engine.tokenizer)
-    ids, owners = rendered.token_ids, rendered.owners
-    mine = [t for t in range(len(ids)) if owners[t] == 1]
-    lo = next(
-        t
-        for t in mine
-        if engine.tokenizer.decode(ids[t : mine[-1] + 1]).startswith("think about the weather")
-    )
-    hi = next(
-        t
-        for t in range(lo, mine[-1] + 1)
-        if "think about the weather" in engine.tokenizer.decode(ids[lo : t + 1])
-    )
-    cut = [0, mine[0], lo, hi + 1, mine[-1] + 1, owners.index(3), len(ids)]
-    segments = [ids[a:b] for a, b in pairwise(cut) if b > a]
-    assert [t for s in segments for t in s] == ids
-    prompt = {"segments": segments, "cache": {"drop": {3: [2]}}}  # seg 0 user, 1 header, 2 reasoning, 3 rest
+    prompt, length = hand_thinking_drop(engine.tokenizer, msgs, 1, "think about the weather")
+    assert len(prompt["segments"]) == 6  # user, header, reasoning, rest of message 1, user, generation prompt
     ref = greedy(engine, prompt, 4)
     base = {"model": NAME, "messages": msgs, "max_tokens": 4, "temperature": 0, "logprobs": True}
     resp = client.chat.completions.create(**base, extra_body={"drop_rule": {"type": "thinking_drop"}})
     assert chat_bytes(resp) == token_bytes(engine, ref)
-    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.prompt_tokens == length
 
 
 def test_models_health_metrics(server, client: openai.OpenAI) -> None:
