@@ -15,15 +15,16 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from minakv.config import EngineConfig
-from minakv.model import default_device_dtype, load_model
+from minakv.model import CausalLM, default_device_dtype, load_model
 from minakv.model.tokenizer import Tokenizer
-from minakv.sampling import RequestOutput, SamplingParams
 from minakv.prompt import make_request
+from minakv.sampling import RequestOutput, SamplingParams
 from minakv.scheduler.request import Request
 from minakv.scheduler.scheduler import Scheduler
 from minakv.scheduler.worker import Worker, kv_bytes_per_token
@@ -49,17 +50,30 @@ def pool_tokens(config: EngineConfig, model_bytes_per_token: int, device: torch.
 
 
 class Engine:
-    def __init__(self, model: str = "tiny-gpt-oss", **kwargs: Any) -> None:
-        self.config = config = EngineConfig(model=str(model), **kwargs)
+    def __init__(
+        self, model: str | CausalLM = "tiny-gpt-oss", tokenizer: Tokenizer | None = None, **kwargs: Any
+    ):
+        """`model`: a local Hugging Face directory, a hub repo id, a built-in preset name, or an already
+        built `CausalLM` (tests and benchmarks; pass its `tokenizer` if it has one)."""
+        self.config = config = EngineConfig(
+            model=str(model) if isinstance(model, (str, Path)) else "custom", **kwargs
+        )
         config.check()
-        from minakv.model.presets import resolve_model
+        if isinstance(model, CausalLM):
+            self.model, self.tokenizer, self.model_name = model, tokenizer, "custom"
+            dtype = model.embed_tokens.weight.dtype
+            device = model.embed_tokens.weight.device
+        else:
+            from minakv.model.presets import resolve_model
 
-        path = resolve_model(config.model)
-        dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
-        device, dtype = default_device_dtype(config.device, dtype)
-        self.model = load_model(path, device=device, dtype=dtype)
-        self.model_name = str(model)
-        self.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+            path = resolve_model(config.model)
+            dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
+            device, dtype = default_device_dtype(config.device, dtype)
+            self.model = load_model(path, device=device, dtype=dtype)
+            self.model_name = str(model)
+            self.tokenizer = tokenizer or (
+                Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+            )
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         per_token = kv_bytes_per_token(self.model, dtype)

@@ -11,47 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-
-class PagePool:
-    """Temporary reference-counted page pool (to be replaced by minakv.cache.pool)."""
-
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        self.num_pages, self.page_size = num_pages, page_size
-        self.refs = [0] * num_pages
-        self.free = list(range(num_pages - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    def allocate(self) -> int | None:
-        if not self.free:
-            return None
-        page = self.free.pop()
-        self.refs[page] = 1
-        return page
-
-    def refcount(self, page: int) -> int:
-        return self.refs[page]
-
-    def incref(self, page: int) -> None:
-        assert self.refs[page] > 0
-        self.refs[page] += 1
-
-    def decref(self, page: int) -> None:
-        assert self.refs[page] > 0
-        self.refs[page] -= 1
-        if self.refs[page] == 0:
-            self.free.append(page)
-
-    def check(self, holders: list[list[int]]) -> None:
-        counts = [0] * self.num_pages
-        for pages in holders:
-            for p in pages:
-                counts[p] += 1
-        assert counts == self.refs, "refcounts differ from holders"
-        assert len(set(self.free)) == len(self.free) and all(self.refs[p] == 0 for p in self.free)
-        assert len(self.free) + sum(1 for r in self.refs if r) == self.num_pages
+from minakv.cache.pool import PagePool
 
 
 class KVCache:
@@ -92,7 +52,7 @@ class KVCache:
         return pages
 
     def _evictable(self, page: int) -> bool:
-        return self.pool.refcount(page) == 1  # only the index holds it
+        return self.pool.refcount[page] == 1  # only the index holds it
 
     def available(self, exclude: list[int] = ()) -> int:
         """Pages a request could get now: free ones plus evictable cached ones (not those in `exclude`)."""
@@ -101,16 +61,15 @@ class KVCache:
 
     def acquire(self, pages: list[int]) -> list[int]:
         for p in pages:
-            self.pool.incref(p)
+            self.pool.incref([p])
             self.lru.move_to_end(p)
         return list(pages)
 
     def allocate(self) -> int | None:
         """A fresh page, evicting one cached page if none is free; None if nothing can be had."""
-        page = self.pool.allocate()
-        if page is None and self._evict_one():
-            page = self.pool.allocate()
-        return page
+        if not self.pool.num_free and not self._evict_one():
+            return None
+        return self.pool.allocate(1)[0]
 
     def _evict_one(self) -> bool:
         order = [p for p in self.lru if p in self.dead] + [p for p in self.lru if p not in self.dead]
@@ -119,7 +78,7 @@ class KVCache:
                 del self.by_key[self.key_of.pop(p)]
                 del self.lru[p]
                 self.dead.discard(p)
-                self.pool.decref(p)
+                self.pool.decref([p])
                 self.evictions += 1
                 return True
         return False
@@ -130,13 +89,13 @@ class KVCache:
             if self.enabled and i < len(keys) and keys[i] not in self.by_key and page not in self.key_of:
                 self.by_key[keys[i]] = page
                 self.key_of[page] = keys[i]
-                self.pool.incref(page)
+                self.pool.incref([page])
                 if dead[i]:
                     self.dead.add(page)
             if page in self.lru or page in self.key_of:
                 self.lru[page] = None
                 self.lru.move_to_end(page)
-            self.pool.decref(page)
+            self.pool.decref([page])
 
     def check(self, holders: list[list[int]]) -> None:
         """Exact accounting: every reference is a running request's page or a cached page."""

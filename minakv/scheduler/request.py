@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from minakv.cache.program import Program
-from minakv.scheduler.plan import Entry, Plan
 from minakv.sampling import RequestOutput, SamplingParams, TokenLogprob, Usage
+from minakv.scheduler.plan import Entry, Plan
 
 _ids = itertools.count()
 

@@ -82,7 +82,7 @@ class Scheduler:
         for r in self.running:
             if budget <= 0:
                 break
-            if r.num_done < len(r.entries):
+            if r.num_done < len(r.entries) and r not in decoding:
                 end, computed, samples = self._schedule_prefill(r, batch, budget)
                 budget -= computed
                 scheduled.append((r, end, samples))

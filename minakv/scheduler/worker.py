@@ -47,7 +47,7 @@ class Worker:
             self.generators.pop(rid, None)
         src, dst, old, new = batch.rerotate
         if src:
-            as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
+            as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)
             rerotate_copy(
                 self.k_cache, self.v_cache, as_tensor(src), as_tensor(dst), as_tensor(old), as_tensor(new),
                 self.model.rope,
