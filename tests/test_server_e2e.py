@@ -391,3 +391,30 @@ def test_overload_answers_503(engine: Engine, server) -> None:
         engine.config.max_queued_requests = saved
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses
     wait_idle(engine)
+
+
+def test_engine_failure_is_a_500_and_the_server_goes_on(
+    engine: Engine, client: openai.OpenAI, monkeypatch
+) -> None:
+    wait_idle(engine)
+    real_step = engine.scheduler.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] in (1, 3):
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    monkeypatch.setattr(engine.scheduler, "step", failing_step)
+    msgs = [{"role": "user", "content": "fail once"}]
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3)
+    assert info.value.status_code == 500 and "engine failed" in info.value.body["message"]
+    resp = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=1, temperature=0)
+    assert resp.usage.completion_tokens == 1  # step 2
+    with pytest.raises(openai.InternalServerError):  # step 3 fails: streamed requests get the same 500
+        client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, stream=True)
+    resp = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0)
+    assert resp.usage.completion_tokens == 3
+    wait_idle(engine)

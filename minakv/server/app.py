@@ -140,6 +140,9 @@ async def start(
     stream = engine.stream(prompt, params, request_id=request_id)
     try:
         first = await stream.__anext__()
+    except asyncio.CancelledError:  # the client left while the request waited for its first token
+        engine.abort(request_id)
+        raise
     except Overloaded as e:
         raise RequestError(
             f"server overloaded: {e}", status=503, type="server_error", code="overloaded"
@@ -154,6 +157,7 @@ async def start(
         raise RequestError(f"invalid cache operation: {text}", param) from None
     except ValueError as e:
         raise bad_prompt(e, prompt_param) from None
+    check_failed(first)  # failed before its first token: still a plain HTTP error, streamed or not
     return stream, first
 
 
@@ -208,6 +212,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 last = await stream.__anext__()
                 parser.step(last)
             done = True
+            check_failed(last)
             message, finish_reason = parser.message(last.finish_reason)
             choice = ChatChoice(0, message, finish_reason, parser.logprobs_all())
             body = ChatCompletion(rid, created, model, [choice], usage_info(last))
@@ -228,6 +233,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 break
             out = await stream.__anext__()
         done = True
+        if out.finish_reason == "error":
+            await write_stream_error(response)
+            return response
         await send([ChunkChoice(0, Delta(), parser.finish_reason(out.finish_reason))])
         if with_usage:
             await send([], usage_info(out))
@@ -236,6 +244,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         await finish(engine, stream, rid, done)
+
+
+ENGINE_FAILED = "the engine failed while running this request; see the server log"
+
+
+def check_failed(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        raise RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
+
+
+async def write_stream_error(response: web.StreamResponse) -> None:
+    """A failure after the stream started: an error event (as vLLM and OpenAI send), then the end."""
+    err = RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
+    await response.write(b"data: " + error_body(err) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
 
 
 async def open_sse(request: web.Request) -> web.StreamResponse:
@@ -265,6 +289,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             while not outs[-1].finished:
                 outs.append(await stream.__anext__())
             done = True
+            check_failed(outs[-1])
             text = "".join(o.text for o in outs)
             for o in outs:
                 if lps is not None:
@@ -289,6 +314,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 break
             out = await stream.__anext__()
         done = True
+        if out.finish_reason == "error":
+            await write_stream_error(response)
+            return response
         if req.stream_options and req.stream_options.include_usage:
             chunk = Completion(rid, created, model, [], usage_info(out))
             await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
