@@ -26,6 +26,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
 from minakv.model.chat import ChatError, normalize_message, render, render_spans
@@ -122,11 +124,11 @@ CONVERSATIONS = {
             {
                 "role": "assistant",
                 "reasoning_content": "Search first.",
-                "tool_calls": [call("search_docs", {"query": "cache drop"}, "c1")],
+                "tool_calls": [call("search_docs", {"query": "cache drop ü"}, "c1")],
             },
             {"role": "tool", "tool_call_id": "c1", "content": "Drop removes KV of old messages."},
             {"role": "assistant", "content": "", "tool_calls": [call("get_time", {}, "c2")]},
-            {"role": "tool", "tool_call_id": "c2", "content": "09:00"},
+            {"role": "tool", "tool_call_id": "c2", "content": "09:00 ⏰"},
         ],
         [SEARCH, NO_ARGS],
         {"reasoning_effort": "low", "model_identity": "You are Mina, a helpful assistant."},
@@ -160,7 +162,8 @@ def to_harmony(messages: list[dict], tools: list[dict] | None, kwargs: dict) -> 
     instructions = None
     if messages[0]["role"] in ("system", "developer"):
         instructions, rest = messages[0]["content"], messages[1:]
-        developer = developer.with_instructions(instructions if tools else instructions + "\n\n")
+        if instructions:
+            developer = developer.with_instructions(instructions if tools else instructions + "\n\n")
     if tools:
         developer = developer.with_function_tools(
             [
@@ -173,39 +176,40 @@ def to_harmony(messages: list[dict], tools: list[dict] | None, kwargs: dict) -> 
     if instructions or tools:
         groups[0].append(H.Message.from_role_and_content(H.Role.DEVELOPER, developer))
     last_call = None
+    # Reasoning the model should still see: that of tool calls of the current turn (no final answer after
+    # them). Older reasoning is dropped (OpenAI's guidance for harmony; the template does the same).
+    final_at = max(
+        (j for j, m in enumerate(rest) if m["role"] == "assistant" and not m.get("tool_calls")), default=-1
+    )
     for i, m in enumerate(rest):
         group = groups[0] if i == 0 and rest is messages else []
         if m["role"] == "user":
             group.append(H.Message.from_role_and_content(H.Role.USER, m["content"]))
         elif m["role"] == "assistant" and m.get("tool_calls"):
             fn = m["tool_calls"][0]["function"]
-            if m.get("reasoning_content"):
+            if m.get("reasoning_content") and i > final_at:
                 group.append(
                     H.Message.from_role_and_content(H.Role.ASSISTANT, m["reasoning_content"]).with_channel(
                         "analysis"
                     )
                 )
             group.append(
-                H.Message.from_role_and_content(H.Role.ASSISTANT, json.dumps(json.loads(fn["arguments"])))
+                H.Message.from_role_and_content(
+                    H.Role.ASSISTANT, json.dumps(json.loads(fn["arguments"]), ensure_ascii=False)
+                )
                 .with_channel("commentary")
                 .with_recipient("functions." + fn["name"])
                 .with_content_type("json")
             )
             last_call = fn["name"]
         elif m["role"] == "assistant":
-            if m.get("reasoning_content"):
-                group.append(
-                    H.Message.from_role_and_content(H.Role.ASSISTANT, m["reasoning_content"]).with_channel(
-                        "analysis"
-                    )
-                )
             group.append(
                 H.Message.from_role_and_content(H.Role.ASSISTANT, m["content"]).with_channel("final")
             )
         elif m["role"] == "tool":
             author = H.Author.new(H.Role.TOOL, f"functions.{last_call}")
             group.append(
-                H.Message.from_author_and_content(author, json.dumps(m["content"]))
+                H.Message.from_author_and_content(author, json.dumps(m["content"], ensure_ascii=False))
                 .with_channel("commentary")
                 .with_recipient("assistant")
             )
@@ -214,37 +218,84 @@ def to_harmony(messages: list[dict], tools: list[dict] | None, kwargs: dict) -> 
     return groups
 
 
-def is_sublist(small: list[int], big: list[int]) -> bool:
-    return any(big[i : i + len(small)] == small for i in range(len(big) - len(small) + 1))
+def harmony_owners(groups: list[list], expected: list[int], encoding) -> list[int]:
+    """Owner of each of harmony's tokens: message i owns the tokens harmony renders for its harmony
+    messages, in order; the generation prompt is owner N. Harmony's system message renders differently alone (it
+    mentions tools only inside a conversation), so message 0 owns everything before message 1."""
+    at = len(encoding.render_conversation(H.Conversation.from_messages(groups[0])))
+    assert expected[:at] == encoding.render_conversation(H.Conversation.from_messages(groups[0]))
+    owners = [0] * at
+    for i, group in enumerate(groups[1:], start=1):
+        for m in group:
+            toks = encoding.render(m)
+            assert expected[at : at + len(toks)] == toks
+            owners += [i] * len(toks)
+            at += len(toks)
+    prompt = encoding.encode("<|start|>assistant", allowed_special="all")
+    assert expected[at:] == prompt
+    return owners + [len(groups)] * len(prompt)
+
+
+# harmony's own auto-drop is a heuristic (drop analysis before the FIRST final message, and only when the last
+# assistant message is a final one) that keeps stale reasoning in multi-turn chats; we give harmony exactly
+# the messages to render instead.
+NO_AUTO_DROP = H.RenderConversationConfig(auto_drop_analysis=False)
+
+
+def check_against_harmony(messages, tools, kwargs, template, tokenizer, encoding) -> None:
+    rendered = render(messages, tokenizer, template, tools=tools, strftime_now=lambda fmt: DATE, **kwargs)
+    groups = to_harmony(messages, tools, kwargs)
+    convo = H.Conversation.from_messages([m for g in groups for m in g])
+    expected = encoding.render_conversation_for_completion(convo, H.Role.ASSISTANT, NO_AUTO_DROP)
+    assert rendered.token_ids == expected, (rendered.text, encoding.decode_utf8(expected))
+    assert rendered.owners == harmony_owners(groups, expected, encoding)
+    assert rendered.num_messages == len(messages)
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_tokens_and_owners_equal_harmony(name, template, tokenizer, encoding):
-    messages, tools, kwargs = CONVERSATIONS[name]
-    rendered = render(messages, tokenizer, template, tools=tools, strftime_now=lambda fmt: DATE, **kwargs)
-    groups = to_harmony(messages, tools, kwargs)
-    convo = H.Conversation.from_messages([m for g in groups for m in g])
-    expected = encoding.render_conversation_for_completion(convo, H.Role.ASSISTANT)
-    assert rendered.token_ids == expected, (rendered.text, encoding.decode_utf8(expected))
+    check_against_harmony(*CONVERSATIONS[name], template, tokenizer, encoding)
 
-    # Ownership: message i owns exactly the tokens harmony renders for its harmony messages (those that
-    # survive harmony's own dropping of old analysis), in order; the generation prompt is owner N.
-    # Harmony's system message renders differently alone (it mentions the tools only in a conversation), so
-    # message 0 owns everything before the first token of message 1.
-    want_owners: list[int] = []
-    for i, group in enumerate(groups[1:], start=1):
-        for m in group:
-            toks = encoding.render(m)
-            if is_sublist(toks, expected):
-                want_owners += [i] * len(toks)
-    prompt = encoding.encode("<|start|>assistant", allowed_special="all")
-    want_owners += [len(messages)] * len(prompt)
-    want_owners = [0] * (len(expected) - len(want_owners)) + want_owners
-    assert encoding.decode_utf8(expected[: want_owners.count(0)]).endswith(
-        encoding.decode_utf8(encoding.render(groups[0][-1]))
-    )
-    assert rendered.owners == want_owners
-    assert rendered.num_messages == len(messages)
+
+TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=24).filter(lambda t: "<|" not in t)
+ARGS = st.dictionaries(
+    st.text("abcxyz_", min_size=1, max_size=5),
+    st.one_of(st.integers(), st.booleans(), st.none(), TEXT),
+    max_size=3,
+)
+
+
+@st.composite
+def conversations(draw) -> tuple[list[dict], list[dict] | None, dict]:
+    """Valid conversations: optional system/developer, user turns, tool-call rounds (one call per assistant
+    message, as the template assumes) with one or more results, optional final answers."""
+    tools = draw(st.sampled_from([None, [WEATHER], [WEATHER, SEARCH, NO_ARGS]]))
+    messages: list[dict] = []
+    if draw(st.booleans()):
+        messages.append({"role": draw(st.sampled_from(["system", "developer"])), "content": draw(TEXT)})
+    for _ in range(draw(st.integers(1, 3))):
+        messages.append({"role": "user", "content": draw(TEXT)})
+        for _ in range(draw(st.integers(0, 2))):
+            name = draw(st.sampled_from(["get_weather", "search_docs", "get_time"]))
+            reply = {"role": "assistant", "content": None, "tool_calls": [call(name, draw(ARGS))]}
+            if draw(st.booleans()):
+                reply["reasoning_content"] = draw(TEXT)
+            messages.append(reply)
+            messages += [{"role": "tool", "content": draw(TEXT)} for _ in range(draw(st.integers(1, 2)))]
+        if draw(st.booleans()):
+            messages.append({"role": "assistant", "content": draw(TEXT), "reasoning_content": draw(TEXT)})
+            if draw(st.booleans()):
+                messages.append({"role": "user", "content": draw(TEXT)})
+    kwargs = {"reasoning_effort": draw(st.sampled_from(["low", "medium", "high"]))}
+    if draw(st.booleans()):
+        kwargs["model_identity"] = draw(TEXT.filter(bool))
+    return messages, tools, kwargs
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(conversation=conversations())
+def test_random_conversations_equal_harmony(conversation, template, tokenizer, encoding):
+    check_against_harmony(*conversation, template, tokenizer, encoding)
 
 
 def test_old_analysis_dropped_and_owners_still_right(template, tokenizer):
@@ -330,3 +381,10 @@ def test_template_errors_are_clear(template, tokenizer):
         render([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}], tokenizer, template)
     with pytest.raises(ChatError, match=r"<\|channel\|> tags in the content field"):
         render([{"role": "assistant", "content": "<|channel|>final<|message|>x"}], tokenizer, template)
+
+
+@pytest.mark.slow
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(conversation=conversations())
+def test_random_conversations_equal_harmony_many(conversation, template, tokenizer, encoding):
+    check_against_harmony(*conversation, template, tokenizer, encoding)
