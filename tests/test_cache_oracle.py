@@ -48,6 +48,15 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float64, windows: list[int 
 ARCHS = ["gpt_oss", "minimax_m2"]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only cost (index_add_ in the MoE is ~10x slower with 2 threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_no_operations_equals_dense_forward(arch, dtype):

@@ -45,7 +45,7 @@ def walk(owners, num_messages, drop, reposition, num_generated, max_positions=No
             if not active:
                 raise WalkError("nothing active")
             ranks = {t: r for r, t in enumerate(sorted(active))}
-            if ranks != active:
+            if ranks != active or next_pos != len(active):  # else it would change no position
                 active = ranks
                 next_pos = len(active)
                 for t, p in active.items():
@@ -169,6 +169,15 @@ def test_noop_reposition_makes_no_stage():
     assert p.num_stages == 1 and p.events_at(2) == ([], False)
     q = compile_program([0, 0, 1, 1], 2)
     assert p.birth_pos.tolist() == q.birth_pos.tolist()
+
+
+def test_reposition_after_dropping_the_newest_message_resets_next_pos():
+    # Survivors 0, 1 already sit at 0, 1, but the next token is born at 2, not 4: not a no-op.
+    p = compile_program([0, 0, 1, 1, 2], 3, {1: [1]}, [1])
+    assert (
+        p.num_stages == 2 and p.birth_pos.tolist() == [0, 1, 2, 3, 2] and p.events_at(4) == ([(2, 4)], True)
+    )
+    assert p.stages_of(0) == [(0, 0), (1, 0)]
 
 
 def test_future_events_are_ignored():

@@ -12,7 +12,10 @@ A request is a token sequence whose tokens have owners (message ids), plus cache
 
 - `birth_pos[t]`: the position token t is born at; `visible_until[t]`: the first query that no longer sees
   it (`NEVER` if no drop in this request removes it).
-- Stages: each effective reposition starts a new stage. In stage s the tokens that were active at its start
+- Stages: each effective reposition starts a new stage. A reposition is a no-op (ignored: no stage, no
+  cache version) when it would change no position: every active token already sits at its rank AND next_pos
+  already equals the active count. Dropping the newest messages and repositioning is NOT a no-op: the
+  survivors keep their positions but the next token is born at A instead of after the gap. In stage s the tokens that were active at its start
   (`survivors[s]`, in logical order) sit at positions 0..A-1, and tokens born in the stage follow. So the
   position of any token in any stage is one `searchsorted` away, and nothing is stored per (token, stage).
 
@@ -223,8 +226,8 @@ def compile_program(
         if len(active) == 0:
             raise CacheOpError(f"reposition: message {m}: nothing is active to reposition at that point")
         current = _stage_positions(active, starts[-1], survivors[-1], birth[active])
-        if np.array_equal(current, np.arange(len(active))):
-            continue  # a no-op: changes no position, so no new stage (and no new cache version)
+        if next_pos == len(active) and np.array_equal(current, np.arange(len(active))):
+            continue  # a no-op: no active position and not next_pos would change: no stage, no new version
         starts.append(point)
         survivors.append(active)
         next_pos = len(active)
