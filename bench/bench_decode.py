@@ -91,12 +91,15 @@ def bench(log: Log, copy_bw: float, sweep: bool = True) -> None:
 
     best = {}
     if sweep:
-        configs = [{"num_splits": s} for s in (1, 2, 4, 8, 16)]
+        configs = [{}]  # the defaults
+        configs += [{"num_splits": sp} for sp in (2, 4, 8, 16)]
         configs += [
-            {"block_n": bn, "num_warps": w, "num_stages": st}
-            for bn in (32, 64, 128)
-            for w in (4, 8)
-            for st in (2, 3, 4)
+            {"block_n": 64, "num_warps": 4, "num_stages": 3},
+            {"block_n": 128, "num_warps": 4, "num_stages": 3},
+        ]
+        configs += [
+            {"block_n": 256, "num_warps": 4, "num_stages": 2},
+            {"block_n": 256, "num_warps": 8, "num_stages": 2},
         ]
         timings = []
         for cfg in configs:
@@ -107,9 +110,7 @@ def bench(log: Log, copy_bw: float, sweep: bool = True) -> None:
                 continue
             timings.append((ms, cfg))
             row(f"decode sweep {cfg}", ms)
-        best_split = min((t for t in timings if "num_splits" in t[1]), key=lambda t: t[0])[1]
-        best_tile = min((t for t in timings if "block_n" in t[1]), key=lambda t: t[0])[1]
-        best = {**best_tile, **best_split}
+        best = min(timings, key=lambda t: t[0])[1]
         log.add("note", name=f"decode best config {best}")
     ms_dense = ours(dense, **best)
     ms_paged = ours(paged, **best)

@@ -102,16 +102,18 @@ def visible_pairs_restore(t: int, seg: int) -> int:
     return int(vis.sum())
 
 
+TILES = [
+    (128, 64, 4, 3),
+    (128, 64, 4, 4),
+    (128, 128, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+    (64, 64, 4, 3),
+]
 CONFIGS = [
-    {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
-    {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
-    {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
-    {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
-    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
-    {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
-    {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
-    {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 4},
-    {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "gather_first": g}
+    for bm, bn, w, st in TILES
+    for g in (False, True)
 ]
 
 

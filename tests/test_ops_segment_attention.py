@@ -135,6 +135,19 @@ def test_chunked_prefill_equals_one_segment() -> None:
     assert rel_err(chunked, whole.double()) < 1e-5
 
 
+@interpreted
+def test_out_of_order_positions_take_the_masked_path() -> None:
+    """A context key after the queries and own positions that go backwards (not produced by prefill, but
+    allowed): visibility still follows positions, and own keys still need index causality."""
+    case = random_case(8, 1, [0, 30, 20], [3, 25, 6], torch.float32, seed=8)
+    case["kv_pos"][7] = case["q_pos"][10] + 5  # segment 1: a context key newer than its first queries
+    case["q_pos"][30:50] = case["q_pos"][30:50].flip(0)  # segment 2: own positions go backwards
+    for window in (None, 12):
+        ref = float64_ref(case, window, True)
+        out = segment_attention_triton(**case, window=window, block_m=16, block_n=16)
+        assert rel_err(out, ref) < 1e-5
+
+
 def test_segment_dispatches_to_reference_on_cpu() -> None:
     case = random_case(8, 1, [3, 4], [2, 0], torch.float32, seed=3)
     assert torch.equal(segment_attention(**case), segment_attention_ref(**case))

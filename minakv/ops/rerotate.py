@@ -78,13 +78,14 @@ def rerotate_copy_triton(
         return
     cos_old, sin_old = rope.cos_sin(old_pos)
     cos_new, sin_new = rope.cos_sin(new_pos)
-    row = num_kv_heads * head_dim
+    half = rope.rotary_dim // 2
+    rest = head_dim - 2 * half
     _rerotate_kernel[(triton.cdiv(n, block_t), num_layers)](
         k_cache, v_cache, src_slots, dst_slots, old_pos, new_pos,
         cos_old.contiguous(), sin_old.contiguous(), cos_new.contiguous(), sin_new.contiguous(), n,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        ROW=row, ROW_PAD=triton.next_power_of_2(row), D=head_dim, HALF=rope.rotary_dim // 2,
-        BLOCK_T=block_t, num_warps=num_warps,
+        H=num_kv_heads, H_PAD=triton.next_power_of_2(num_kv_heads), D=head_dim, HALF=half,
+        HALF_PAD=triton.next_power_of_2(half), ROW_PAD=triton.next_power_of_2(num_kv_heads * head_dim), REST_PAD=triton.next_power_of_2(rest) if rest else 0, BLOCK_T=block_t, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -98,6 +99,7 @@ def _check_inputs(k_cache, v_cache, src_slots, dst_slots, old_pos, new_pos, rope
     check(
         len(n) == 1 and dst_slots.shape == old_pos.shape == new_pos.shape == n, "slots/positions must be [N]"
     )
+    check(rope.rotary_dim % 2 == 0, f"rotary_dim must be even, got {rope.rotary_dim}")
     check(rope.rotary_dim <= k_cache.shape[3], f"rotary_dim {rope.rotary_dim} > head_dim {k_cache.shape[3]}")
 
 
@@ -105,7 +107,8 @@ def _check_inputs(k_cache, v_cache, src_slots, dst_slots, old_pos, new_pos, rope
 def _rerotate_kernel(
     k_ptr, v_ptr, src_ptr, dst_ptr, old_pos_ptr, new_pos_ptr, cos_old_ptr, sin_old_ptr, cos_new_ptr,
     sin_new_ptr, n, stride_kl, stride_ks, stride_vl, stride_vs,
-    ROW: tl.constexpr, ROW_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    REST_PAD: tl.constexpr, ROW_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     layer = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -114,37 +117,41 @@ def _rerotate_kernel(
     dst = tl.load(dst_ptr + t, mask=t_ok, other=0).to(tl.int64)
     same = tl.load(old_pos_ptr + t, mask=t_ok, other=0) == tl.load(new_pos_ptr + t, mask=t_ok, other=0)
 
-    # One slot row holds all KV heads: element e is dim d = e % D of its head. Rotated dims pair up
-    # as (i, i + HALF); `sign` makes one formula serve both halves of a pair.
+    # Tiles are [tokens, heads, dims]: the two rotated halves (i, HALF + i) of every head load as two
+    # tiles, and one cos/sin row per token broadcasts over the heads.
+    h = tl.arange(0, H_PAD)
+    i = tl.arange(0, HALF_PAD)
+    ok = t_ok[:, None, None] & (h < H)[None, :, None] & (i < HALF)[None, None, :]
+    head_off = h[None, :, None] * D + i[None, None, :]
+    k_src = k_ptr + layer * stride_kl + src[:, None, None] * stride_ks + head_off
+    k_dst = k_ptr + layer * stride_kl + dst[:, None, None] * stride_ks + head_off
+    y1_raw = tl.load(k_src, mask=ok, other=0.0)
+    y2_raw = tl.load(k_src + HALF, mask=ok, other=0.0)
+    tab = t[:, None, None] * HALF + i[None, None, :]
+    tab_ok = t_ok[:, None, None] & (i < HALF)[None, None, :]
+    oc = tl.load(cos_old_ptr + tab, mask=tab_ok, other=1.0)
+    os_ = tl.load(sin_old_ptr + tab, mask=tab_ok, other=0.0)
+    nc = tl.load(cos_new_ptr + tab, mask=tab_ok, other=1.0)
+    ns = tl.load(sin_new_ptr + tab, mask=tab_ok, other=0.0)
+    y1, y2 = y1_raw.to(tl.float32), y2_raw.to(tl.float32)
+    norm = oc * oc + os_ * os_
+    x1 = (y1 * oc + y2 * os_) / norm  # the un-rotated key
+    x2 = (y2 * oc - y1 * os_) / norm
+    keep = same[:, None, None]  # unmoved key: exact copy
+    tl.store(k_dst, tl.where(keep, y1_raw, (x1 * nc - x2 * ns).to(y1_raw.dtype)), mask=ok)
+    tl.store(k_dst + HALF, tl.where(keep, y2_raw, (x2 * nc + x1 * ns).to(y2_raw.dtype)), mask=ok)
+    if REST_PAD > 0:  # partial rotary: dims past 2 * HALF pass through
+        r = tl.arange(0, REST_PAD)
+        rest_ok = t_ok[:, None, None] & (h < H)[None, :, None] & (r < D - 2 * HALF)[None, None, :]
+        rest_off = h[None, :, None] * D + 2 * HALF + r[None, None, :]
+        rest = tl.load(k_ptr + layer * stride_kl + src[:, None, None] * stride_ks + rest_off, mask=rest_ok)
+        tl.store(k_ptr + layer * stride_kl + dst[:, None, None] * stride_ks + rest_off, rest, mask=rest_ok)
+
+    # V: the whole slot row (all heads) is copied unchanged.
     e = tl.arange(0, ROW_PAD)
-    e_ok = e < ROW
-    d = e % D
-    first = d < HALF
-    rot = (d < 2 * HALF) & e_ok
-    partner = tl.where(first, e + HALF, tl.where(rot, e - HALF, e))
-    freq = tl.where(first, d, d - HALF)
-    sign = tl.where(first, 1.0, -1.0)
-    mask = t_ok[:, None] & e_ok[None, :]
-    rot_mask = t_ok[:, None] & rot[None, :]
-
-    k_src = k_ptr + layer * stride_kl + src[:, None] * stride_ks
-    x_raw = tl.load(k_src + e[None, :], mask=mask, other=0.0)
-    x = x_raw.to(tl.float32)
-    y = tl.load(k_src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    tab = t[:, None] * HALF + freq[None, :]
-    oc = tl.load(cos_old_ptr + tab, mask=rot_mask, other=1.0)
-    so = tl.load(sin_old_ptr + tab, mask=rot_mask, other=0.0) * sign[None, :]
-    nc = tl.load(cos_new_ptr + tab, mask=rot_mask, other=1.0)
-    ns = tl.load(sin_new_ptr + tab, mask=rot_mask, other=0.0) * sign[None, :]
-    norm = oc * oc + so * so
-    x_self = (x * oc + y * so) / norm  # this dim of the un-rotated key
-    x_partner = (y * oc - x * so) / norm  # its pair's
-    out = (x_self * nc - x_partner * ns).to(x_raw.dtype)
-    out = tl.where(same[:, None] | (~rot)[None, :], x_raw, out)  # exact copy: unmoved key, pass-through dims
-    tl.store(k_ptr + layer * stride_kl + dst[:, None] * stride_ks + e[None, :], out, mask=mask)
-
-    v = tl.load(v_ptr + layer * stride_vl + src[:, None] * stride_vs + e[None, :], mask=mask, other=0.0)
-    tl.store(v_ptr + layer * stride_vl + dst[:, None] * stride_vs + e[None, :], v, mask=mask)
+    row_ok = t_ok[:, None] & (e < H * D)[None, :]
+    v = tl.load(v_ptr + layer * stride_vl + src[:, None] * stride_vs + e[None, :], mask=row_ok)
+    tl.store(v_ptr + layer * stride_vl + dst[:, None] * stride_vs + e[None, :], v, mask=row_ok)
 
 
 __all__ = ["rerotate_copy", "rerotate_copy_ref", "rerotate_copy_triton"]

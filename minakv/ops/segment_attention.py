@@ -98,8 +98,9 @@ def segment_attention_triton(
     *,
     block_m: int = 128,
     block_n: int = 64,
-    num_warps: int = 8,
+    num_warps: int = 4,
     num_stages: int = 3,
+    gather_first: bool = False,
 ) -> torch.Tensor:
     """The Triton kernel; the keyword-only knobs are for benchmarks and tests."""
     _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks)
@@ -113,17 +114,45 @@ def segment_attention_triton(
     if max_seg_len == 0:
         return out.zero_()
     check(num_segments < 65536, f"at most 65535 segments per launch, got {num_segments}")
+    in_order = _in_order_segments(q_pos, seg_q_indptr, seg_kv_indptr, kv_pos)
+    if gather_first:  # copy every segment's keys into one contiguous list: context keys, then own keys
+        rows = torch.cat([kv_slots, q_slots]).long()
+        k_cache, v_cache = k_cache[rows], v_cache[rows]
     grid = (num_heads, triton.cdiv(max_seg_len, block_m), num_segments)
     _segment_kernel[grid](
-        q, k_cache, v_cache, out, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos,
+        q, k_cache, v_cache, out, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, in_order,
         sinks if sinks is not None else q_pos, scale * LOG2E, window if window is not None else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=num_heads // k_cache.shape[1], D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
-        F32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=num_warps, num_stages=num_stages,
+        F32_DOT=q.dtype == torch.float32 or interpreting(), GATHERED=gather_first, N_CTX_ALL=kv_slots.shape[0],
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _in_order_segments(
+    q_pos: torch.Tensor, seg_q_indptr: torch.Tensor, seg_kv_indptr: torch.Tensor, kv_pos: torch.Tensor
+) -> torch.Tensor:
+    """Per segment, 1 if no context key comes after its first query and its own positions never
+    decrease (prefill, chunked prefill, restore): then causality by index implies it by position, and
+    without a window only ragged and diagonal blocks need a mask. Runs on the device, no sync."""
+    num_segments, device = seg_q_indptr.shape[0] - 1, q_pos.device
+    segs = torch.arange(num_segments, device=device)
+    seg_of_q = torch.repeat_interleave(segs, seg_q_indptr.diff(), output_size=q_pos.shape[0])
+    seg_of_kv = torch.repeat_interleave(segs, seg_kv_indptr.diff(), output_size=kv_pos.shape[0])
+    first_q = torch.full((num_segments,), 2**62, device=device).scatter_reduce(
+        0, seg_of_q, q_pos.long(), "amin"
+    )
+    last_kv = torch.full((num_segments,), -(2**62), device=device).scatter_reduce(
+        0, seg_of_kv, kv_pos.long(), "amax"
+    )
+    backwards = ((q_pos[1:] < q_pos[:-1]) & (seg_of_q[1:] == seg_of_q[:-1])).int()
+    steps_back = torch.zeros(num_segments, dtype=torch.int32, device=device).index_add(
+        0, seg_of_q[1:], backwards
+    )
+    return ((last_kv <= first_q) & (steps_back == 0)).to(torch.int32)
 
 
 def _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks):
@@ -142,10 +171,11 @@ def _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indp
 @lazy_jit
 def _segment_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, q_pos_ptr, q_slots_ptr, seg_q_ptr, seg_kv_ptr, kv_slots_ptr, kv_pos_ptr,
-    sinks_ptr, scale_log2, window,
+    in_order_ptr, sinks_ptr, scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32_DOT: tl.constexpr, GATHERED: tl.constexpr,
+    N_CTX_ALL,
 ):  # fmt: skip
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (causal) blocks first
@@ -156,6 +186,7 @@ def _segment_kernel(
         return
     ks = tl.load(seg_kv_ptr + seg)
     n_ctx = tl.load(seg_kv_ptr + seg + 1) - ks
+    out_of_order = tl.load(in_order_ptr + seg) == 0
     kv_head = head // GROUP
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the segment
@@ -163,14 +194,12 @@ def _segment_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < D
     q_off = (qs + rows).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_off[:, None] * stride_qt + head * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + q_off[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
     qp = tl.load(q_pos_ptr + qs + rows, mask=row_ok, other=0)
-    qp_min = tl.min(tl.where(row_ok, qp, 2147483647), 0)
-    qp_max = tl.max(tl.where(row_ok, qp, -2147483647), 0)
+    if HAS_WINDOW:
+        qp_min = tl.min(tl.where(row_ok, qp, 2147483647), 0)
+        qp_max = tl.max(tl.where(row_ok, qp, -2147483647), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -182,22 +211,29 @@ def _segment_kernel(
         own = cols - n_ctx
         is_ctx = cols < n_ctx
         is_own = (own >= 0) & (cols < n_keys)
-        slot = tl.where(
-            is_ctx,
-            tl.load(kv_slots_ptr + ks + cols, mask=is_ctx, other=0),
-            tl.load(q_slots_ptr + qs + own, mask=is_own, other=0),
-        ).to(tl.int64)
+        if GATHERED:  # keys were copied in list order: row = list index, no index load
+            slot = tl.where(is_ctx, ks + cols, N_CTX_ALL + qs + own).to(tl.int64)
+        else:
+            slot = tl.where(
+                is_ctx,
+                tl.load(kv_slots_ptr + ks + cols, mask=is_ctx, other=0),
+                tl.load(q_slots_ptr + qs + own, mask=is_own, other=0),
+            ).to(tl.int64)
         kp = tl.where(
             is_ctx,
             tl.load(kv_pos_ptr + ks + cols, mask=is_ctx, other=0),
             tl.load(q_pos_ptr + qs + own, mask=is_own, other=0),
         )
         valid = is_ctx | is_own
-        kp_min = tl.min(tl.where(valid, kp, 2147483647), 0)
-        kp_max = tl.max(tl.where(valid, kp, -2147483647), 0)
+        # Which blocks need the elementwise mask: in an in-order segment without a window, only the
+        # ragged last block and blocks reaching past the first query of this block (the diagonal).
+        need_mask = out_of_order | (j + BLOCK_N > n_keys) | (j + BLOCK_N - 1 - n_ctx > m_block * BLOCK_M)
         skip = False
-        if HAS_WINDOW:
-            skip = qp_min - kp_max >= window  # every key too old for every query
+        if HAS_WINDOW:  # positions decide: skip blocks wholly older than the window, mask the rest
+            kp_min = tl.min(tl.where(valid, kp, 2147483647), 0)
+            kp_max = tl.max(tl.where(valid, kp, -2147483647), 0)
+            skip = qp_min - kp_max >= window
+            need_mask = need_mask | (kp_max > qp_min) | (qp_max - kp_min >= window)
         if not skip:
             kv_mask = valid[:, None] & d_ok[None, :]
             k = tl.load(
@@ -207,24 +243,19 @@ def _segment_kernel(
                 v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
             )
             if F32_DOT:  # fp32 inputs: exact fp32 products, not tf32
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k)) * scale_log2
-            # Mask only where some pair may be invisible: ragged end, diagonal, positions, window.
-            full = (
-                (j + BLOCK_N <= n_keys) & (j + BLOCK_N - 1 - n_ctx <= m_block * BLOCK_M) & (kp_max <= qp_min)
-            )
-            if HAS_WINDOW:
-                full = full & (qp_max - kp_min < window)
-            if not full:
+                s = tl.dot(q, tl.trans(k))
+            if need_mask:
                 diff = qp[:, None] - kp[None, :]
                 visible = valid[None, :] & (diff >= 0) & (own[None, :] <= rows[:, None])
                 if HAS_WINDOW:
                     visible = visible & (diff < window)
                 s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Scores stay unscaled; the scale folds into one multiply-add inside exp2.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: avoid inf - inf
-            p = tl.math.exp2(s - m_use[:, None])
+            p = tl.math.exp2(s * scale_log2 - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             if F32_DOT:
@@ -242,7 +273,7 @@ def _segment_kernel(
         acc = acc * alpha[:, None]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # nothing visible and no sink: 0
     o_ptrs = out_ptr + q_off[:, None] * stride_ot + head * stride_oh + d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 __all__ = ["segment_attention", "segment_attention_ref", "segment_attention_triton"]
