@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from minakv.model.chat import normalize_message, render, render_spans
 from minakv.model.tiny import minimax_tokenizer
@@ -134,3 +136,72 @@ def test_matches_transformers_jinja_rendering(template):
             )
             text, _ = render_spans(messages, template, TOOLS, agp)
             assert text == want[0][0]
+
+
+BAD = ("]~", "[e~", "<think", "</think", "<minimax", "</minimax")
+TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=20).filter(
+    lambda t: not any(b in t for b in BAD)
+)
+
+
+@st.composite
+def conversations(draw) -> list[dict]:
+    messages: list[dict] = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(TEXT)})
+    for _ in range(draw(st.integers(1, 3))):
+        messages.append({"role": "user", "content": draw(TEXT)})
+        for _ in range(draw(st.integers(0, 2))):
+            args = draw(st.fixed_dictionaries({"location": TEXT}, optional={"days": st.integers(0, 9)}))
+            reply = {
+                "role": "assistant",
+                "content": draw(TEXT),
+                "tool_calls": [call("get_weather", args, "c")],
+            }
+            if draw(st.booleans()):
+                reply["reasoning_content"] = draw(TEXT)
+            messages.append(reply)
+            messages += [{"role": "tool", "content": draw(TEXT)} for _ in range(draw(st.integers(1, 3)))]
+        if draw(st.booleans()):
+            messages.append({"role": "assistant", "content": draw(TEXT), "reasoning_content": draw(TEXT)})
+    return messages
+
+
+def expected_piece(messages: list[dict], i: int) -> str | None:
+    """What message i renders to, from the MiniMax-M2 format (None: only checked loosely)."""
+    m = messages[i]
+    if m["role"] == "user":
+        return f"]~b]user\n{m['content']}[e~[\n"
+    if m["role"] == "tool":
+        first = messages[i - 1]["role"] != "tool"
+        last = i + 1 == len(messages) or messages[i + 1]["role"] != "tool"
+        return (
+            ("]~b]tool" if first else "")
+            + f"\n<response>{m['content']}</response>"
+            + ("[e~[\n" if last else "")
+        )
+    return None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=conversations(), agp=st.booleans())
+def test_random_conversations_ownership(messages, agp, template, tokenizer):
+    r = render(messages, tokenizer, template, tools=TOOLS, add_generation_prompt=agp)
+    texts = owned_texts(r, tokenizer)
+    assert r.owners == sorted(r.owners) and "".join(texts) == r.text
+    assert texts[0].startswith("]~!b[]~b]system\n")
+    for i, m in enumerate(messages):
+        if i == 0 and m["role"] == "system":
+            continue
+        want = expected_piece(messages, i)
+        if want is not None and i == 0:  # no system message: the template's system block is message 0's
+            assert texts[0].startswith("]~!b[]~b]system\n") and texts[0].endswith(want)
+        elif want is not None:
+            assert texts[i] == want
+        else:  # assistant
+            assert (
+                texts[i].startswith("]~b]ai\n") and texts[i].endswith("[e~[\n") and m["content"] in texts[i]
+            )
+        kept = [t for t, o in zip(r.token_ids, r.owners) if o != i]
+        assert kept == tokenizer.encode("".join(texts[:i] + texts[i + 1 :]))
+    assert texts[-1] == ("]~b]ai\n<think>\n" if agp else "")
