@@ -86,6 +86,8 @@ def test_both_forms_and_paper_form() -> None:
         ({"reposition": [2, 2]}, "reposition", "strictly increasing"),
         ({"cache": {"reposition": [3, 1]}}, "cache.reposition", "strictly increasing"),
         ({"drop_rule": {"type": "text_drop"}}, "drop_rule.type", "unknown drop_rule type"),
+        ({"drop_message": {str(2**70): [0]}}, "drop_message", "below 2**31"),
+        ({"reposition": [1, 2**40]}, "reposition", "below 2**31"),
         ({"drop_rule": {"type": "message_drop"}}, "drop_rule.drop_messages", "needs `drop_messages`"),
     ],
 )
@@ -119,6 +121,7 @@ def test_sampling_params_errors_name_the_field() -> None:
     assert err.param == "temperature" and "temperature" in err.message
     err = error_of(sampling_params, chat(top_p=0.0), 8, None)
     assert err.param == "top_p"
+    assert error_of(sampling_params, chat(seed=2**64), 8, None).param == "seed"
     params = sampling_params(chat(temperature=0.0, seed=3, stop=["x"]), 8, 2)
     assert (params.temperature, params.seed, params.stop, params.max_tokens, params.logprobs) == (
         0.0,

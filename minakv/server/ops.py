@@ -88,10 +88,15 @@ def read_drop_rule(rule) -> tuple[dict[int, list[int]], bool, str]:
     )
 
 
+MAX_ID = 2**31 - 1  # message ids past this are certainly not messages (and overflow int64 arithmetic)
+
+
 def check_drops(drop: dict[int, list[int]], param: str) -> None:
     """Trigger n drops messages i <= n (so ids are < len(messages) whenever the trigger is); a trigger
     >= len(messages) is a future event, accepted and ignored."""
     for trigger, ids in drop.items():
+        if trigger > MAX_ID or any(i > MAX_ID for i in ids):
+            raise RequestError(f"{param}: message ids must be below 2**31", param)
         if trigger < 0:
             raise RequestError(f"{param}: trigger message id {trigger} is negative", param)
         for i in ids:
@@ -111,6 +116,8 @@ def check_reposition(reposition: list[int], param: str) -> None:
             raise RequestError(f"{param} must be strictly increasing message ids, got {reposition}", param)
     if reposition and reposition[0] < 0:
         raise RequestError(f"{param}: message id {reposition[0]} is negative", param)
+    if reposition and reposition[-1] > MAX_ID:
+        raise RequestError(f"{param}: message ids must be below 2**31", param)
 
 
 # ---------------------------------------------------------------------------------------------------------

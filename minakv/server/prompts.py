@@ -47,6 +47,8 @@ def check_common(req: SamplingFields, served_names: set[str]) -> None:
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """SamplingParams from the request, checked with the engine's own rules; `max_tokens` None means the
     model's limit (the engine stops at the last position it may use)."""
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+        raise RequestError(f"seed must be a 64-bit integer, got {req.seed}", "seed")
     params = SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else SamplingParams.max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
