@@ -342,3 +342,49 @@ def test_split_invariance_on_fragment_soup(data):
 
 def test_plain_parser():
     assert parse_output("a<|end|>b", None) == ParsedOutput(content="a<|end|>b")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random replies through the real templates: parse(render(reply)) == reply
+
+SPECIALS = ("<|", "]~", "[e~", "<think", "</think", "<minimax", "</minimax", "<invoke", "</invoke", "<parameter",
+            "</parameter")  # fmt: skip
+TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=20).filter(
+    lambda t: not any(s in t for s in SPECIALS)
+)
+VALUES = {
+    "location": TEXT.filter(lambda t: t == t.strip("\n")),  # MiniMax trims newlines around values
+    "days": st.integers(-5, 10**6),
+    "hourly": st.booleans(),
+    "ratio": st.floats(-1e6, 1e6, allow_nan=False).filter(lambda x: not x.is_integer()),
+    "fields": st.lists(TEXT, max_size=3),
+    "filters": st.dictionaries(TEXT, st.integers(), max_size=2),
+    "note": st.one_of(st.none(), TEXT.filter(lambda t: t not in ("null",) and t == t.strip("\n"))),
+}
+
+
+@st.composite
+def replies(draw, family: str) -> dict:
+    stripped = TEXT.filter(lambda t: t == t.strip("\n"))  # MiniMax trims newlines around sections
+    reply = {"role": "assistant", "reasoning_content": draw(stripped.filter(bool))}
+    n_calls = draw(st.integers(0, 1 if family == "gpt_oss" else 3))  # the gpt-oss template renders one call
+    if n_calls == 0 or family == "minimax_m2":
+        reply["content"] = draw(stripped.filter(bool) if n_calls == 0 else stripped)
+    if n_calls:
+        keys = draw(st.lists(st.sampled_from(sorted(VALUES)), unique=True, max_size=4))
+        reply["tool_calls"] = [
+            call("get_weather", {k: draw(VALUES[k]) for k in keys}, f"c{j}") for j in range(n_calls)
+        ]
+    return reply
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_random_replies_round_trip(data):
+    family = data.draw(st.sampled_from(["gpt_oss", "minimax_m2"]))
+    template = read_template("gpt-oss.jinja" if family == "gpt_oss" else "minimax-m2.jinja")
+    reply = data.draw(replies(family))
+    text = model_output(template, [USER], reply, [WEATHER])
+    check_same(parse_output(text, family, [WEATHER]), reply)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    check_streaming(lambda: make_parser(family, [WEATHER], id_prefix="c"), text, cuts)

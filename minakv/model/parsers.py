@@ -285,25 +285,35 @@ class MiniMaxParser(OutputParser):
         self.out.append(Delta("tool_call", json.dumps(args, ensure_ascii=False), index))
 
 
+TYPE_ORDER = ("null", "boolean", "integer", "number", "object", "array", "string")  # most specific first
+
+
 def convert(value: str, schema: Any) -> Any:
-    """A parameter's text as the JSON type its schema names (strings stay strings; unknown: as is)."""
+    """A parameter's text as the JSON type its schema allows. The template writes strings raw and other
+    values as JSON, so text that parses as an allowed non-string type is taken as that type (most specific
+    first); otherwise, or without a schema, it stays text."""
     types = schema.get("type") if isinstance(schema, dict) else None
-    for kind in types if isinstance(types, list) else [types]:
+    kinds = sorted(
+        (k for k in (types if isinstance(types, list) else [types]) if k in TYPE_ORDER), key=TYPE_ORDER.index
+    )
+    for kind in kinds:
+        if kind == "string":
+            return value
+        if kind == "boolean" and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
         try:
-            if kind == "string":
-                return value
-            if kind == "null" and value == "null":
-                return None
-            if kind in ("integer", "number"):
-                number = json.loads(value)
-                if isinstance(number, (int, float)) and not isinstance(number, bool):
-                    return int(number) if kind == "integer" and float(number).is_integer() else number
-            if kind == "boolean" and value.lower() in ("true", "false"):
-                return value.lower() == "true"
-            if kind in ("object", "array"):
-                return json.loads(value)
+            parsed = json.loads(value)
         except ValueError:
             continue
+        number = isinstance(parsed, (int, float)) and not isinstance(parsed, bool)
+        if kind == "null" and parsed is None:
+            return None
+        if kind == "integer" and number and float(parsed).is_integer():
+            return int(parsed)
+        if (kind == "number" and number) or (kind == "object" and isinstance(parsed, dict)):
+            return parsed
+        if kind == "array" and isinstance(parsed, list):
+            return parsed
     return value
 
 
