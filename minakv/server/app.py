@@ -1,9 +1,9 @@
 """The aiohttp application: routes, authentication, errors, streaming.
 
 Every request is decoded into a typed struct (protocol.py), turned into an engine prompt and sampling
-parameters (prompts.py), and handed to `engine.stream`, an async generator of increments. The engine
-validates the prompt on the first increment, so nothing is sent to the client before that: a bad prompt
-still gets a clean HTTP 400, and a full waiting queue a 503. A streamed response is Server-Sent Events in
+parameters (prompts.py), and handed to `engine.stream`, an async generator of increments (running.py).
+The engine validates the prompt on the first increment, so nothing is sent to the client before that: a
+bad prompt still gets a clean HTTP 400, and a full waiting queue a 503. A streamed response is Server-Sent Events in
 OpenAI's chunk format. If the client goes away, aiohttp cancels the handler (`handler_cancellation`) or the
 next write fails; either way the `finally` aborts the request so its pages return to the pool.
 """
@@ -11,25 +11,19 @@ next write fails; either way the `finally` aborts the request so its pages retur
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
-import re
 import time
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
 
-from minakv.cache.program import CacheOpError
-from minakv.engine import Engine, Overloaded
-from minakv.sampling import RequestOutput, SamplingParams
+from minakv.engine import Engine
 from minakv.server import output, prompts
 from minakv.server.metrics import prometheus_text
-from minakv.server.ops import CacheOps, has_cache_ops
+from minakv.server.ops import has_cache_ops
 from minakv.server.protocol import (
     ChatChoice,
     ChatCompletion,
@@ -42,11 +36,20 @@ from minakv.server.protocol import (
     Delta,
     ModelCard,
     ModelList,
-    PromptTokensDetails,
     RequestError,
     UsageInfo,
     decode_request,
     error_body,
+)
+from minakv.server.running import (
+    bad_prompt,
+    check_failed,
+    finish,
+    new_id,
+    open_sse,
+    start,
+    usage_info,
+    write_stream_error,
 )
 
 ENGINE = web.AppKey("engine", Engine)
@@ -54,7 +57,6 @@ SETTINGS = web.AppKey("settings", dict)
 COUNTS = web.AppKey("counts", Counter)
 JSON = "application/json"
 log = logging.getLogger("minakv.server")
-FIELD = re.compile(r"^((?:messages|tools)(?:\[\d+\])?(?:\.\w+|\[\d+\])*)")
 
 
 def make_app(
@@ -112,67 +114,6 @@ async def errors_and_auth(
     info = request.match_info.route.resource
     counts[(info.canonical if info is not None else "other", response.status)] += 1
     return response
-
-
-async def read_json(request: web.Request, type: type) -> Any:
-    return decode_request(await request.read(), type)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage_info(out: RequestOutput) -> UsageInfo:
-    u = out.usage
-    details = PromptTokensDetails(u.cached_tokens, u.repos_tokens, u.drop_skipped_tokens)
-    return UsageInfo(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens, details)
-
-
-async def start(
-    engine: Engine,
-    prompt: Any,
-    params: SamplingParams,
-    request_id: str,
-    ops: CacheOps | None,
-    prompt_param: str,
-) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-    """Submit and wait for the first increment; engine-side validation errors become 400, a full queue 503."""
-    stream = engine.stream(prompt, params, request_id=request_id)
-    try:
-        first = await stream.__anext__()
-    except asyncio.CancelledError:  # the client left while the request waited for its first token
-        engine.abort(request_id)
-        raise
-    except Overloaded as e:
-        raise RequestError(
-            f"server overloaded: {e}", status=503, type="server_error", code="overloaded"
-        ) from None
-    except CacheOpError as e:  # the compiler's messages start with the operation at fault
-        text = str(e)
-        param = prompt_param
-        if ops is not None and text.startswith("drop"):
-            param = ops.drop_param
-        elif ops is not None and text.startswith("reposition"):
-            param = ops.reposition_param
-        raise RequestError(f"invalid cache operation: {text}", param) from None
-    except ValueError as e:
-        raise bad_prompt(e, prompt_param) from None
-    check_failed(first)  # failed before its first token: still a plain HTTP error, streamed or not
-    return stream, first
-
-
-def bad_prompt(e: ValueError, default_param: str) -> RequestError:
-    """The renderer's errors start with the message or tools entry at fault: use it as the param."""
-    match = FIELD.match(str(e))
-    return RequestError(str(e), match.group(1) if match else default_param)
-
-
-async def finish(engine: Engine, stream: AsyncIterator[RequestOutput], request_id: str, done: bool) -> None:
-    """Close the engine stream; a request that did not finish is aborted and its pages freed."""
-    if not done:
-        engine.abort(request_id)
-    with contextlib.suppress(RuntimeError, ConnectionError):  # closing twice, or the client is gone
-        await stream.aclose()  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -246,35 +187,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await finish(engine, stream, rid, done)
 
 
-ENGINE_FAILED = "the engine failed while running this request; see the server log"
-
-
-def check_failed(out: RequestOutput) -> None:
-    if out.finish_reason == "error":
-        raise RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
-
-
-async def write_stream_error(response: web.StreamResponse) -> None:
-    """A failure after the stream started: an error event (as vLLM and OpenAI send), then the end."""
-    err = RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
-    await response.write(b"data: " + error_body(err) + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-
-
-async def open_sse(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    return response
-
-
 # ---------------------------------------------------------------------------------------------------------
 # /v1/completions
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
-    req: CompletionRequest = await read_json(request, CompletionRequest)
+    req: CompletionRequest = decode_request(await request.read(), CompletionRequest)
     prompts.check_common(req, settings["accepted"])
     prompts.check_completion(req)
     prompt = prompts.completion_prompt(req)
@@ -343,5 +262,5 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     stats = await asyncio.to_thread(request.app[ENGINE].stats)
-    text = prometheus_text(stats, request.app[COUNTS])
-    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Version": "0.0.4"})
+    body = prometheus_text(stats, request.app[COUNTS]).encode()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

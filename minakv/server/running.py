@@ -1,0 +1,101 @@
+"""Running one request on the engine for an HTTP handler: submit it, wait for its first increment (where
+the engine validates), map engine errors to HTTP errors, and abort it if the handler ends early."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from minakv.cache.program import CacheOpError
+from minakv.engine import Engine, Overloaded
+from minakv.sampling import RequestOutput, SamplingParams
+from minakv.server.ops import CacheOps
+from minakv.server.protocol import PromptTokensDetails, RequestError, UsageInfo, error_body
+
+FIELD = re.compile(r"^((?:messages|tools)(?:\[\d+\])?(?:\.\w+|\[\d+\])*)")
+ENGINE_FAILED = "the engine failed while running this request; see the server log"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_info(out: RequestOutput) -> UsageInfo:
+    u = out.usage
+    details = PromptTokensDetails(u.cached_tokens, u.repos_tokens, u.drop_skipped_tokens)
+    return UsageInfo(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens, details)
+
+
+async def start(
+    engine: Engine,
+    prompt: Any,
+    params: SamplingParams,
+    request_id: str,
+    ops: CacheOps | None,
+    prompt_param: str,
+) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
+    """Submit and wait for the first increment; engine-side validation errors become 400, a full queue 503."""
+    stream = engine.stream(prompt, params, request_id=request_id)
+    try:
+        first = await stream.__anext__()
+    except asyncio.CancelledError:  # the client left while the request waited for its first token
+        engine.abort(request_id)
+        raise
+    except Overloaded as e:
+        raise RequestError(
+            f"server overloaded: {e}", status=503, type="server_error", code="overloaded"
+        ) from None
+    except CacheOpError as e:  # the compiler's messages start with the operation at fault
+        text = str(e)
+        param = prompt_param
+        if ops is not None and text.startswith("drop"):
+            param = ops.drop_param
+        elif ops is not None and text.startswith("reposition"):
+            param = ops.reposition_param
+        raise RequestError(f"invalid cache operation: {text}", param) from None
+    except ValueError as e:
+        raise bad_prompt(e, prompt_param) from None
+    check_failed(first)  # failed before its first token: still a plain HTTP error, streamed or not
+    return stream, first
+
+
+def bad_prompt(e: ValueError, default_param: str) -> RequestError:
+    """The renderer's errors start with the message or tools entry at fault: use it as the param."""
+    match = FIELD.match(str(e))
+    return RequestError(str(e), match.group(1) if match else default_param)
+
+
+async def finish(engine: Engine, stream: AsyncIterator[RequestOutput], request_id: str, done: bool) -> None:
+    """Close the engine stream; a request that did not finish is aborted and its pages freed."""
+    if not done:
+        engine.abort(request_id)
+    with contextlib.suppress(RuntimeError, ConnectionError):  # closing twice, or the client is gone
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+ENGINE_FAILED = "the engine failed while running this request; see the server log"
+
+
+def check_failed(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        raise RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
+
+
+async def write_stream_error(response: web.StreamResponse) -> None:
+    """A failure after the stream started: an error event (as vLLM and OpenAI send), then the end."""
+    err = RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
+    await response.write(b"data: " + error_body(err) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
