@@ -119,7 +119,8 @@ def load_gpt_oss_experts(experts: GptOssExperts, prefix: str, ckpt: Checkpoint, 
             if ours == "gate_up":
                 blocks, scales = deinterleave(blocks), deinterleave(scales)
             packed[f"{ours}_blocks"], packed[f"{ours}_scales"] = blocks, scales
-            getattr(experts, ours).data.copy_(dequantize_mxfp4(blocks, scales, dtype))
+            for j in range(e):  # one expert at a time keeps the fp32/int64 temporaries small
+                getattr(experts, ours).data[j].copy_(dequantize_mxfp4(blocks[j], scales[j], dtype))
         experts.mxfp4 = packed
     else:
         gate_up = ckpt.get(prefix + ".gate_up_proj", (e, h, 2 * i)).to(device)
