@@ -141,6 +141,8 @@ def test_bad_input_errors(tokenizer):
         render([{"role": "user", "content": "a"}], tokenizer)
     with pytest.raises(ChatError, match="boom"):
         render([{"role": "user", "content": "a"}], tokenizer, "{{ raise_exception('boom') }}")
+    with pytest.raises(ChatError, match="template failed on these messages: TypeError"):
+        render([{"role": "user", "content": "a"}], tokenizer, "{{ messages[0].content + 1 }}")
     with pytest.raises(ChatError, match="unsafe|not safely callable|access to attribute"):
         render([{"role": "user", "content": "a"}], tokenizer, "{{ messages.__class__.__mro__ }}")
 

@@ -9,8 +9,8 @@ the generation prompt belongs to a synthetic owner N = len(messages).
 How owners are found: we cannot render messages one by one (templates rewrite earlier messages depending
 on later ones: GPT-OSS drops old reasoning, MiniMax groups consecutive tool results under one header), and
 we do not want to parse each family's output format. Instead a small Jinja extension rewrites every
-`{% for x in ... %}` loop of the template so that each iteration first calls `_minakv_enter(loop, x)` and
-the loop's end calls `_minakv_done(loop)`. Both output nothing. Rendering is a generator that runs the
+`{% for x in ... %}` loop of the template so that each iteration first reports "loop L is at item x" and
+the loop's end reports "loop L is done". Both output nothing. Rendering is a generator that runs the
 template lazily, so when a piece of output arrives we know which message iteration produced it. Of nested
 loops over messages we keep the OUTERMOST one: an inner loop over messages is the template looking ahead
 or back, not rendering them. Text outside any message iteration belongs to message 0 before the first
@@ -288,8 +288,12 @@ def render_spans(
                 runs.append((at, owner))
             pieces.append(chunk)
             at += len(chunk)
+    except ChatError:
+        raise
     except jinja2.TemplateError as e:
-        raise ChatError(f"chat template error: {e.message}") from None
+        raise ChatError(f"chat template error: {e.message or e}") from None
+    except (TypeError, ValueError, LookupError, AttributeError) as e:  # e.g. a field of an unexpected type
+        raise ChatError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
     finally:
         _TRACKER.reset(active)
     text = "".join(pieces)
