@@ -418,3 +418,28 @@ def test_engine_failure_is_a_500_and_the_server_goes_on(
     resp = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0)
     assert resp.usage.completion_tokens == 3
     wait_idle(engine)
+
+
+def test_requests_beyond_the_running_limit_wait_their_turn(engine: Engine, server, monkeypatch) -> None:
+    """With room for 2 running requests, 8 concurrent ones queue and all complete (no 503 below the
+    queue limit)."""
+    wait_idle(engine)
+    monkeypatch.setattr(engine.config, "max_num_seqs", 2)
+
+    async def main() -> list[int]:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        try:
+            replies = await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model=NAME, messages=[{"role": "user", "content": f"queue {i}"}], max_tokens=3
+                    )
+                    for i in range(8)
+                )
+            )
+        finally:
+            await client.close()
+        return [r.usage.completion_tokens for r in replies]
+
+    assert all(1 <= n <= 3 for n in asyncio.run(main()))
+    wait_idle(engine)
