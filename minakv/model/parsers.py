@@ -217,11 +217,12 @@ class MiniMaxParser(OutputParser):
         self, tools: list[dict] | None = None, start_in_think: bool = True, id_prefix: str | None = None
     ):
         super().__init__(id_prefix)
-        self.schemas = {
-            t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
-            for t in tools or []
-            if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]
-        }
+        self.schemas: dict[str, dict] = {}  # tool name -> {parameter: JSON schema}
+        for tool in tools or []:
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            params = fn.get("parameters") if isinstance(fn, dict) else None
+            if isinstance(params, dict) and isinstance(params.get("properties"), dict):
+                self.schemas[str(fn.get("name"))] = params["properties"]
         self.state = "start"
         self.start_in_think = start_in_think
         self.at_start = True  # strip newlines that open a reasoning/content section
