@@ -164,6 +164,16 @@ def test_chat_streamed_matches_non_streamed(client: openai.OpenAI) -> None:
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # streamed logprobs: the same tokens as the non-streamed ones
+    lp_full = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2)
+    lp_chunks = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2, stream=True)
+    streamed = [
+        t for c in lp_chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
+    assert [(t.token, t.bytes) for t in streamed] == [
+        (t.token, t.bytes) for t in lp_full.choices[0].logprobs.content
+    ]
+    assert all(len(t.top_logprobs) == 2 for t in streamed)
     # without include_usage (and no cache operations) there is no usage chunk
     plain = list(client.chat.completions.create(**kwargs, stream=True))
     assert all(c.usage is None for c in plain)
@@ -178,8 +188,18 @@ def test_completions_text_and_token_ids(engine: Engine, client: openai.OpenAI) -
     )
     assert by_ids.choices[0].text == by_text.choices[0].text == ref.text
     assert by_ids.usage.prompt_tokens == len(ids) and by_ids.usage.completion_tokens == len(ref.token_ids)
-    streamed = client.completions.create(model=NAME, prompt=ids, max_tokens=5, temperature=0, stream=True)
+    streamed = list(
+        client.completions.create(
+            model=NAME,
+            prompt=ids,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == ref.text
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == len(ref.token_ids)
     lp = client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, logprobs=2)
     assert len(lp.choices[0].logprobs.token_logprobs) == 3
     assert all(len(top) >= 1 for top in lp.choices[0].logprobs.top_logprobs)
