@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from minakv.model.chat import ChatError, normalize_message, render, render_spans
+from minakv.model.chat import ChatError, count_spanning, normalize_message, render, render_spans
 from minakv.model.tokenizer import Tokenizer, gpt_oss_tokenizer_json, o200k_tiktoken_file
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "data" / "chat_templates"
@@ -320,6 +320,11 @@ def test_each_message_decodes_to_its_text_and_drops_cleanly(name, template, toke
     messages, tools, kwargs = CONVERSATIONS[name]
     r = render(messages, tokenizer, template, tools=tools, strftime_now=lambda fmt: DATE, **kwargs)
     assert r.owners == sorted(r.owners) and set(r.owners) <= set(range(len(messages) + 1))
+    _, runs = render_spans(
+        [normalize_message(m, i) for i, m in enumerate(messages)], template, tools, True,
+        strftime_now=lambda fmt: DATE, **kwargs,
+    )  # fmt: skip
+    assert count_spanning(r.offsets, runs) == 0  # every boundary is a special token
     pieces = [
         tokenizer.decode([t for t, o in zip(r.token_ids, r.owners) if o == i])
         for i in range(len(messages) + 1)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minakv.model.chat import normalize_message, render, render_spans
+from minakv.model.chat import count_spanning, normalize_message, render, render_spans
 from minakv.model.tiny import minimax_tokenizer
 from minakv.model.tokenizer import Tokenizer
 
@@ -190,6 +190,8 @@ def test_random_conversations_ownership(messages, agp, template, tokenizer):
     texts = owned_texts(r, tokenizer)
     assert r.owners == sorted(r.owners) and "".join(texts) == r.text
     assert texts[0].startswith("]~!b[]~b]system\n")
+    _, runs = render_spans([normalize_message(m, i) for i, m in enumerate(messages)], template, TOOLS, agp)
+    assert count_spanning(r.offsets, runs) == 0
     for i, m in enumerate(messages):
         if i == 0 and m["role"] == "system":
             continue
