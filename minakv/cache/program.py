@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import pairwise
 
 import numpy as np
@@ -115,12 +116,22 @@ class Program:
     # -- what queries see -----------------------------------------------------------------------------
 
     def active_before(self, query: int) -> tuple[np.ndarray, np.ndarray]:
-        """The earlier tokens query `query` sees and their positions at that point (DESIGN.md 2.3)."""
-        prompt = min(query, self.num_tokens)
-        keys = np.nonzero(self.visible_until[:prompt] > query)[0].astype(np.int64)
-        if query > self.num_tokens:
-            keys = np.concatenate([keys, np.arange(self.num_tokens, query, dtype=np.int64)])
-        return keys, self.positions_at(keys, int(self.stage_of([query])[0]))
+        """The earlier tokens query `query` sees and their positions at that point (DESIGN.md 2.3).
+
+        Those are the survivors of the query's stage (at their ranks) and the tokens born in the stage
+        before it (at their birth positions), minus what was dropped since."""
+        stage = int(self.stage_of([query])[0])
+        start = int(self.stage_starts[stage])
+        survivors = self.survivors[stage]
+        alive = self.visible_until[survivors] > query
+        born = np.arange(start, min(query, self.num_tokens), dtype=np.int64)
+        born = born[self.visible_until[born] > query]
+        generated = np.arange(max(start, self.num_tokens), query, dtype=np.int64)
+        keys = np.concatenate([survivors[alive], born, generated])
+        positions = np.concatenate([
+            np.nonzero(alive)[0], self.birth_pos[born], self.next_pos + generated - self.num_tokens
+        ]).astype(np.int64)  # fmt: skip
+        return keys, positions
 
     def visible(self, query: int) -> tuple[np.ndarray, np.ndarray]:
         """Everything query `query` attends to (itself included) and the positions it sees them at."""
@@ -128,11 +139,16 @@ class Program:
         stage = int(self.stage_of([query])[0])
         return np.append(keys, query), np.append(pos, self.positions_at([query], stage))
 
+    @cached_property
+    def all_cut_points(self) -> np.ndarray:
+        """Every drop and effective reposition point, sorted: where visibility changes."""
+        points = np.asarray([*self.drop_ranges, *self.stage_starts[1:].tolist()], dtype=np.int64)
+        return np.unique(points)
+
     def cut_points(self, a: int, b: int) -> np.ndarray:
-        """Drop and reposition points strictly inside (a, b): where visibility changes."""
-        points = [p for p in self.drop_ranges if a < p < b]
-        points += [int(s) for s in self.stage_starts if a < s < b]
-        return np.unique(np.asarray(points, dtype=np.int64))
+        """Drop and reposition points strictly inside (a, b)."""
+        points = self.all_cut_points
+        return points[np.searchsorted(points, a, side="right") : np.searchsorted(points, b, side="left")]
 
     def segments(self, a: int, b: int) -> list[Segment]:
         """Cut the queries [a, b) (a chunk; may run past the prompt into generated tokens) into segments."""
@@ -146,16 +162,16 @@ class Program:
 
     # -- the state after the prompt ---------------------------------------------------------------------
 
-    @property
+    @cached_property
     def final_active(self) -> np.ndarray:
         """Prompt tokens the first generated token sees (after the events at the end of the prompt)."""
         return np.nonzero(self.visible_until == NEVER)[0].astype(np.int64)
 
-    @property
+    @cached_property
     def final_positions(self) -> np.ndarray:
         return self.positions_at(self.final_active, self.num_stages - 1)
 
-    @property
+    @cached_property
     def last_positions(self) -> np.ndarray:
         """Per prompt token, the position it holds when last seen: its final position if still active,
         else its position just before it was dropped. This is the position cached KV is kept at."""

@@ -45,39 +45,48 @@ def needed_tokens(
     """Boolean mask over the first len(have) tokens: run these as queries (the dependency closure)."""
     have = np.asarray(have, dtype=bool)
     length = len(have)
-    want_set = {length - 1} if want is None else {int(t) for t in want}
+    needed = np.zeros(length, dtype=bool)
+    required = ([length - 1] if length else []) if want is None else [int(t) for t in want]
+    needed[required] = True
     tokens = np.arange(length + 1)
     stage = program.stage_of(tokens)
     birth = program.birth_positions(tokens)
     until = program.drop_points(tokens)
-    first_reader = np.full(program.num_stages, NEVER, dtype=np.int64)  # per stage: smallest query so far
-    first_reader[stage[length]] = length  # the next token (decode) reads the final active set
-    needed = np.zeros(length, dtype=bool)
-    for t in range(length - 1, -1, -1):
-        if t in want_set or (
-            not have[t] and _is_read(program, t, stage, birth, until[t], first_reader, window)
-        ):
-            needed[t] = True
-            first_reader[stage[t]] = t
+    # Per stage, the smallest query decided so far (scanning backwards, that is the last one added); the
+    # next token (the first decode step, index `length`) reads the final active set.
+    first_reader = np.full(program.num_stages, NEVER, dtype=np.int64)
+    first_reader[stage[length]] = length
+    next_reader = length  # the smallest query so far over all stages
+    missing = np.nonzero(~have)[0]
+    positions = _stage_positions(program, missing) if window is not None else None
+    row = {int(t): r for r, t in enumerate(missing)}
+    for t in np.nonzero(~have | needed)[0][::-1].tolist():
+        if not needed[t]:
+            if window is None:  # read iff some later query comes before its drop point
+                needed[t] = next_reader < until[t]
+            else:  # per stage, the first query there is the closest in position
+                needed[t] = any(
+                    first_reader[s] < until[t] and birth[first_reader[s]] - positions[row[t], s] < window
+                    for s in range(stage[t], program.num_stages)
+                )
+        if needed[t]:
+            first_reader[stage[t]] = next_reader = t
     return needed
 
 
-def _is_read(
-    program: Program,
-    t: int,
-    stage: np.ndarray,
-    birth: np.ndarray,
-    until: int,
-    first_reader: np.ndarray,
-    window: int | None,
-) -> bool:
-    for s in range(stage[t], program.num_stages):
-        q = first_reader[s]
-        if q == NEVER or q >= until:
-            continue  # no reader in this stage, or t is dropped before it
-        if window is None or birth[q] - program.positions_at([t], s)[0] < window:
-            return True
-    return False
+def _stage_positions(program: Program, tokens: np.ndarray) -> np.ndarray:
+    """[len(tokens), stages] position of each token in each stage (-1 where it does not exist yet)."""
+    out = np.full((len(tokens), program.num_stages), -1, dtype=np.int64)
+    stage = program.stage_of(tokens)
+    for s in range(program.num_stages):
+        survivors = program.survivors[s]
+        if len(survivors):
+            rank = np.searchsorted(survivors, tokens)
+            alive = (rank < len(survivors)) & (survivors[np.minimum(rank, len(survivors) - 1)] == tokens)
+            alive &= tokens < program.stage_starts[s]
+            out[alive, s] = rank[alive]
+        out[stage == s, s] = program.birth_positions(tokens[stage == s])
+    return out
 
 
 def plan_restore(
