@@ -380,9 +380,37 @@ def test_disconnects_abort_and_free_pages(engine: Engine, server) -> None:
                     timeout=aiohttp.ClientTimeout(total=0.5),
                 )
 
+    async def queued() -> None:
+        """With one running slot taken, a request waits in the queue; its client leaves before its first
+        token, so it is aborted while waiting."""
+        async with aiohttp.ClientSession() as session:
+            running = await session.post(
+                server.url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers
+            )
+            await running.content.readline()
+            with pytest.raises(asyncio.TimeoutError):
+                await session.post(
+                    server.url + "/v1/chat/completions",
+                    json={**body, "messages": [{"role": "user", "content": "waiting"}]},
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=0.5),
+                )
+            deadline = time.monotonic() + 3  # the abort reaches the engine thread on its next loop
+            while engine.stats()["waiting"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            stats = engine.stats()
+            assert (stats["waiting"], stats["running"]) == (0, 1)  # gone while the first one still runs
+            running.close()
+
     asyncio.run(main())
+    saved = engine.config.max_num_seqs
+    engine.config.max_num_seqs = 1
+    try:
+        asyncio.run(queued())
+    finally:
+        engine.config.max_num_seqs = saved
     stats = wait_idle(engine)
-    assert stats["output_tokens"] - baseline["output_tokens"] < 4 * 200  # they stopped early
+    assert stats["output_tokens"] - baseline["output_tokens"] < 5 * 200  # they stopped early
     # the pages of the aborted requests are free again (the cache may keep finished, published pages)
     assert stats["pages_used"] == stats["pages_cached"]
 
