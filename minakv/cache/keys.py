@@ -59,8 +59,7 @@ def records(program: Program, token_ids: Sequence[int], lo: int, hi: int) -> np.
     tokens = np.asarray(token_ids[lo:hi], dtype=np.int64)
     rows = np.zeros((hi - lo, 3), dtype=np.int64)
     rows[:, 0], rows[:, 1] = TOKEN, tokens
-    points = sorted({p for p in program.drop_ranges if lo <= p < hi} |
-                    {int(p) for p in program.stage_starts[1:] if lo <= p < hi})  # fmt: skip
+    points = program.cut_points(lo - 1, hi).tolist()  # event points in [lo, hi)
     if not points:
         return rows
     parts, done = [], lo

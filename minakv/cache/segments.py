@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -40,8 +41,12 @@ class StoredKV:
     k: dict[int, torch.Tensor]  # layer -> [S, Hkv, D]
     v: dict[int, torch.Tensor]
 
+    @cached_property
+    def row_of(self) -> dict[int, int]:
+        return {int(t): r for r, t in enumerate(self.tokens)}
+
     def rows(self, tokens: np.ndarray) -> np.ndarray:
-        index = {int(t): r for r, t in enumerate(self.tokens)}
+        index = self.row_of
         missing = [int(t) for t in tokens if int(t) not in index]
         if missing:
             raise KeyError(f"tokens {missing} are neither stored nor computed in this pass")
