@@ -204,7 +204,7 @@ class Scheduler:
         plan = plan_request(r.program, tokens)
         r.plan = plan
         r.entries, r.records = list(plan.entries), list(plan.records)
-        r.page_keys = self.kv.keys(r.records)
+        r.page_keys = self.kv.keys(r.records, [e.position for e in r.entries])
         r.decode_keys = list(plan.final_keys)
         r.next_pos = int(r.program.birth_positions([len(tokens)])[0])
         r.segment_start = [0] * len(plan.segment_keys)
@@ -223,12 +223,13 @@ class Scheduler:
         elif r in self.waiting:
             self.waiting.remove(r)
         if r.pages:
-            done_pages = min(r.num_done // self.page_size, len(r.pages))
-            keys = self.kv.keys(r.records[: done_pages * self.page_size])
+            done = min(r.num_done // self.page_size, len(r.pages)) * self.page_size
             live = set(r.decode_keys)
-            ps = self.page_size
-            dead = [not any(e in live for e in range(p * ps, (p + 1) * ps)) for p in range(done_pages)]
-            self.kv.release(r.pages, keys, dead)
+            dead = [
+                not live.intersection(range(p, p + self.page_size)) for p in range(0, done, self.page_size)
+            ]
+            positions = [e.position for e in r.entries[:done]]
+            self.kv.release(r.pages, self.kv.keys(r.records[:done], positions, dead))
         r.pages = []
         self.released.append(r.request_id)
 
