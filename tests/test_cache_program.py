@@ -145,6 +145,21 @@ def test_program_matches_walk_many(request, chunks):
     check_program(*request, chunks)
 
 
+@settings(max_examples=150, deadline=None)
+@given(requests(), st.integers(1, 16))
+def test_position_limit_matches_walk(request, limit):
+    owners, num_messages, drop, reposition, _, _ = request
+    try:
+        walk(owners, num_messages, drop, reposition, 0, max_positions=limit)
+    except WalkError as e:
+        field = "positions" if str(e) == "position limit" else "reposition"
+        with pytest.raises(CacheOpError, match=field):
+            compile_program(owners, num_messages, drop, reposition, max_positions=limit)
+        return
+    program = compile_program(owners, num_messages, drop, reposition, max_positions=limit)
+    assert program.room() == limit - program.next_pos >= 0
+
+
 def test_design_example():
     # Messages 0 (2 tokens), 1 (2), 2 (4). Drop message 0 after message 1, then reposition there.
     p = compile_program([0, 0, 1, 1, 2, 2, 2, 2], 3, {"1": [0]}, [1])

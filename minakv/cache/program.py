@@ -237,6 +237,7 @@ def compile_program(
     for m in repositions:
         point = first_token_after(m)
         birth[done:point] = np.arange(next_pos, next_pos + point - done)
+        _check_limit(birth, done, point, max_positions)
         next_pos, done = next_pos + point - done, point
         active = np.nonzero(visible_until[:point] > point)[0].astype(np.int64)
         if len(active) == 0:
@@ -248,16 +249,21 @@ def compile_program(
         survivors.append(active)
         next_pos = len(active)
     birth[done:n] = np.arange(next_pos, next_pos + n - done)
+    _check_limit(birth, done, n, max_positions)
     next_pos += n - done
-
-    if max_positions is not None and n and birth.max() >= max_positions:
-        t = int(np.argmax(birth >= max_positions))
-        raise CacheOpError(
-            f"positions: token {t} would be born at position {int(birth[t])}, reaching "
-            f"max_position_embeddings {max_positions} (drop and reposition earlier)"
-        )
     return Program(owner_arr, num_messages, drops, repositions, birth, visible_until, drop_ranges,
                    np.asarray(starts, dtype=np.int64), survivors, next_pos, max_positions)  # fmt: skip
+
+
+def _check_limit(birth: np.ndarray, lo: int, hi: int, max_positions: int | None) -> None:
+    """Births of tokens [lo, hi) must stay below the model's limit (repositions only lower positions)."""
+    if max_positions is None or hi <= lo or birth[hi - 1] < max_positions:
+        return
+    t = lo + int(np.argmax(birth[lo:hi] >= max_positions))
+    raise CacheOpError(
+        f"positions: token {t} would be born at position {int(birth[t])}, reaching "
+        f"max_position_embeddings {max_positions} (drop and reposition earlier)"
+    )
 
 
 def _stage_positions(t: np.ndarray, start: int, survivors: np.ndarray, birth: np.ndarray) -> np.ndarray:
