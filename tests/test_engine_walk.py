@@ -38,7 +38,7 @@ def unrelated(rng: random.Random, n: int) -> list[list[int]]:
     return [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(n)]
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=17, deadline=None, suppress_health_check=list(HealthCheck))  # x6 engines: 102
 @given(data=programs(), seed=st.integers(0, 2**16))
 def test_random_programs_match_the_walk(engine, model, data, seed):
     segments, cache = data
@@ -52,7 +52,8 @@ def test_random_programs_match_the_walk(engine, model, data, seed):
     engine.check()
     # the same request again, alone: served from the cache (when it fits) and still exact
     again = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
-    assert_matches_oracle(model, segments, cache, again)
+    assert again.token_ids == outs[1].token_ids
+    assert [x.logprob for x in again.logprobs] == pytest.approx([x.logprob for x in outs[1].logprobs], abs=1e-9)
     engine.check()
 
 
