@@ -185,3 +185,26 @@ def test_message_ops_renumbered_into_segments() -> None:
     seg_prog = compile_program(seg_owners, len(segs.token_ids) - 1, cache["drop"], cache["reposition"])
     assert seg_prog.visible_until.tolist() == msg_prog.visible_until.tolist()
     assert seg_prog.birth_pos.tolist() == msg_prog.birth_pos.tolist()
+
+
+@pytest.mark.parametrize("reasoning", ["a", "think about it", "ai", "\nai\n"])
+@pytest.mark.parametrize("inline", [False, True])
+def test_thinking_drop_flags_exactly_the_reasoning(reasoning: str, inline: bool) -> None:
+    """The reasoning segment is exactly the reasoning as rendered, even when the same text also occurs in
+    the header (MiniMax's assistant header is `]~b]ai`), given as reasoning_content or inline <think>."""
+    from minakv.model.presets import resolve_model
+    from minakv.model.tokenizer import Tokenizer
+    from minakv.server.prompts import thinking_drop_prompt
+
+    tok = Tokenizer.from_dir(resolve_model("tiny-minimax-m2"))
+    reply = {"role": "assistant", "content": "a reply", "reasoning_content": reasoning}
+    if inline:
+        reply = {"role": "assistant", "content": f"<think>{reasoning}</think>a reply"}
+    msgs = [{"role": "user", "content": "hello"}, reply, {"role": "user", "content": "again"}]
+    ops = parse_cache_ops(chat(drop_rule={"type": "thinking_drop"}))
+    prompt = thinking_drop_prompt(tok, {"messages": msgs}, ops)
+    ((trigger, dropped),) = prompt["cache"]["drop"].items()
+    segments = prompt["segments"]
+    assert tok.decode(segments[dropped[0]]).strip("\n") == reasoning.strip("\n") and len(dropped) == 1
+    assert tok.decode([t for s in segments[: dropped[0]] for t in s]).endswith("<think>")  # not the header
+    assert tok.decode(segments[trigger]).endswith("[e~[\n")  # dropped at the end of its own message

@@ -8,14 +8,17 @@ Message ids are positions in `messages` as sent. Syntax is checked here, against
 so the error names the field the client wrote; the engine re-checks the semantics against the rendering.
 
 `thinking_drop` drops each assistant message's reasoning at the end of that same message. A message-level
-drop cannot say "part of message i", so the server renders the conversation itself, cuts every message
-into segments at reasoning boundaries (`split_segments`), and sends the engine a segments prompt in which
-the reasoning of message i is its own owner: the drop becomes `{last segment of i: [reasoning segments]}`
-and the client's message-level operations are renumbered into segment ids (`to_segments`).
+drop cannot say "part of message i", so the server renders the conversation itself, finds where each
+reasoning was printed (`with_sentinels`, `reasoning_spans`), cuts every message into segments at reasoning
+boundaries (`split_segments`), and sends the engine a segments prompt in which the reasoning of message i
+is its own owner: the drop becomes `{last segment of i: [reasoning segments]}` and the client's
+message-level operations are renumbered into segment ids (`to_segments`).
 """
 
 from __future__ import annotations
 
+import bisect
+import re
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -184,10 +187,14 @@ def to_segments(ops: CacheOps, segs: Segments, num_messages: int) -> dict:
     return {"drop": {n: sorted(ids) for n, ids in sorted(drop.items())}, "reposition": reposition}
 
 
-def reasoning_of(message: dict, index: int) -> str | None:
-    """An assistant message's reasoning: `reasoning_content`, or one leading `<think>...</think>` in its
-    content (MiniMax clients replay it that way). Both at once is ambiguous, an unclosed tag malformed."""
-    reasoning = message.get("reasoning_content")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # as the renderer reads them, in order
+
+
+def reasoning_of(message: dict, index: int) -> tuple[str | None, bool]:
+    """An assistant message's reasoning as sent (None if absent or blank), and whether it is inline: one
+    leading `<think>...</think>` in the content (MiniMax clients replay it that way). Both at once is
+    ambiguous, an unclosed tag malformed."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
     content = message.get("content")
     inline = None
     if isinstance(content, str) and content.lstrip().startswith("<think>"):
@@ -195,36 +202,74 @@ def reasoning_of(message: dict, index: int) -> str | None:
         if "</think>" not in body:
             raise RequestError("thinking_drop: unclosed <think> in the content", f"messages[{index}].content")
         inline = body.split("</think>", 1)[0]
-    if reasoning and inline is not None:
+    if isinstance(reasoning, str) and reasoning.strip() and inline is not None:
         raise RequestError(
             "thinking_drop: reasoning given both as reasoning_content and as <think> in the content",
             f"messages[{index}]",
         )
-    text = reasoning if reasoning else inline
-    return text.strip() or None if text else None
+    if isinstance(reasoning, str) and reasoning.strip():
+        return reasoning, False
+    return (inline, True) if inline is not None and inline.strip() else (None, False)
 
 
-def reasoning_flags(
-    messages: list[dict], owners: list[int], text: str, offsets: list[tuple[int, int]]
-) -> list[bool]:
-    """Per token: does it belong to the reasoning of the assistant message that owns it? A token is
-    reasoning when its first character lies inside the reasoning text as the template rendered it (the
-    markup around it, such as `<think>` or the analysis header, stays). Reasoning the template did not
-    render (a template that drops old reasoning) has no tokens to drop."""
-    flags = [False] * len(owners)
-    by_owner: dict[int, list[int]] = {}
-    for t, owner in enumerate(owners):
-        by_owner.setdefault(owner, []).append(t)
+SENTINEL = "\ue000{}\ue001"  # private-use characters: never in real text, printed as is by templates
+
+
+def with_sentinels(messages: list[dict]) -> tuple[list[dict], dict[str, tuple[int, str]]]:
+    """A copy of `messages` whose assistant reasoning is replaced by a unique sentinel each, and
+    sentinel -> (message index, reasoning as sent)."""
+    out, where = [], {}
     for i, message in enumerate(messages):
-        if message.get("role") != "assistant" or i not in by_owner:
+        reasoning, inline = reasoning_of(message, i) if message.get("role") == "assistant" else (None, False)
+        if reasoning is None:
+            out.append(message)
             continue
-        reasoning = reasoning_of(message, i)
-        if not reasoning:
-            continue
-        toks = by_owner[i]
-        at = text.find(reasoning, offsets[toks[0]][0], offsets[toks[-1]][1])
-        if at < 0:
-            continue
-        for t in toks:
-            flags[t] = at <= offsets[t][0] < at + len(reasoning)
+        mark = SENTINEL.format(i)
+        where[mark] = (i, reasoning)
+        if inline:  # replace just the body of <think>...</think>
+            head, rest = message["content"].split("<think>", 1)
+            copy = {**message, "content": head + "<think>" + mark + "</think>" + rest.split("</think>", 1)[1]}
+        else:
+            copy = {k: v for k, v in message.items() if k not in REASONING_FIELDS}
+            copy["reasoning_content"] = mark
+        out.append(copy)
+    return out, where
+
+
+def reasoning_spans(text: str, marked: str, where: dict[str, tuple[int, str]]) -> list[tuple[int, int]]:
+    """Character spans of the reasoning in `text`, found by lining it up with `marked` (the same
+    conversation rendered with sentinels): outside the reasoning the two are equal, so each sentinel
+    stands exactly where its reasoning was printed. A template may trim the reasoning; the printed form
+    is the candidate followed by the next literal piece. A template that does not print a message's
+    reasoning (GPT-OSS leaves out analysis of finished turns) has no sentinel for it."""
+    pattern = re.compile("|".join(re.escape(m) for m in where)) if where else None
+    spans: list[tuple[int, int]] = []
+    at_marked, at_text = 0, 0
+    for match in pattern.finditer(marked) if pattern else ():
+        literal = marked[at_marked : match.start()]
+        if text[at_text : at_text + len(literal)] != literal:
+            raise ValueError("thinking_drop: the template renders the conversation differently each time")
+        at_text += len(literal)
+        at_marked = match.end()
+        nxt = pattern.search(marked, at_marked)
+        following = marked[at_marked : nxt.start() if nxt else len(marked)]
+        reasoning = where[match.group()][1]
+        for printed in dict.fromkeys((reasoning, reasoning.strip(), reasoning.strip("\n"))):
+            if text.startswith(printed, at_text) and text.startswith(following, at_text + len(printed)):
+                spans.append((at_text, at_text + len(printed)))
+                at_text += len(printed)
+                break
+        else:
+            raise ValueError("thinking_drop: cannot find where the template printed the reasoning")
+    return spans
+
+
+def reasoning_flags(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """Per token: does its first character lie inside a reasoning span? The markup around the reasoning
+    (`<think>`, the harmony analysis header) is not reasoning and stays."""
+    starts = [a for a, _ in spans]
+    flags = []
+    for start, _ in offsets:
+        k = bisect.bisect_right(starts, start) - 1
+        flags.append(k >= 0 and start < spans[k][1])
     return flags

@@ -9,7 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from minakv.sampling import SamplingParams
-from minakv.server.ops import CacheOps, parse_cache_ops, reasoning_flags, split_segments, to_segments
+from minakv.server.ops import (
+    CacheOps,
+    parse_cache_ops,
+    reasoning_flags,
+    reasoning_spans,
+    split_segments,
+    to_segments,
+    with_sentinels,
+)
 from minakv.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -139,18 +147,23 @@ def chat_prompt(
 
 
 def thinking_drop_prompt(tokenizer: Any, prompt: dict[str, Any], ops: CacheOps) -> dict[str, Any]:
-    """thinking_drop as a segments prompt (see ops.py): render once, cut at reasoning boundaries,
-    renumber the operations into segment ids."""
-    from minakv.model.chat import render
+    """thinking_drop as a segments prompt (see ops.py): render once, locate each assistant message's
+    reasoning by rendering again with sentinels in its place (text only, no tokenizing), cut the tokens at
+    reasoning boundaries, renumber the operations into segment ids."""
+    from minakv.model.chat import normalize_message, render, render_spans
 
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("thinking_drop needs a model with a tokenizer and a chat template", "drop_rule")
     kwargs = prompt.get("chat_template_kwargs") or {}
-    rendered = render(prompt["messages"], tokenizer, tools=prompt.get("tools"), **kwargs)
-    ids, offsets = tokenizer.encode_with_offsets(rendered.text)
-    if list(ids) != list(rendered.token_ids):  # render() tokenizes the same text the same way
-        raise RuntimeError("re-tokenizing the rendered conversation gave different tokens")
-    flags = reasoning_flags(prompt["messages"], rendered.owners, rendered.text, offsets)
+    tools = prompt.get("tools")
+    rendered = render(prompt["messages"], tokenizer, tools=tools, **kwargs)
+    marked_messages, where = with_sentinels(prompt["messages"])
+    # the same call render() makes, without tokenizing
+    specials = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token")}
+    template_kwargs = {**{k: v for k, v in specials.items() if v is not None}, **kwargs}
+    normalized = [normalize_message(m, i) for i, m in enumerate(marked_messages)]
+    marked, _ = render_spans(normalized, tokenizer.chat_template, tools, True, **template_kwargs)
+    flags = reasoning_flags(rendered.offsets, reasoning_spans(rendered.text, marked, where))
     segs = split_segments(rendered.token_ids, rendered.owners, flags, rendered.num_messages)
     return {"segments": segs.token_ids, "cache": to_segments(ops, segs, rendered.num_messages)}
 
