@@ -76,8 +76,12 @@ class Request:
     def output(self, incremental: bool) -> RequestOutput:
         """All output so far, or (for streams) what is new since the last call. While running, text that
         could still turn out to start a stop string is held back."""
-        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop_strings), default=0)
-        text_end = max(self.sent_text, len(self.text) - hold)
+        text_end = len(self.text)
+        if not self.finish_reason:
+            text_end -= max((len(s) - 1 for s in self.params.stop_strings), default=0)
+            while text_end > 0 and self.text[text_end - 1] == "\ufffd":  # a character still being decoded
+                text_end -= 1
+        text_end = max(self.sent_text, text_end)
         if incremental:
             ids, text = self.output_ids[self.sent_tokens :], self.text[self.sent_text : text_end]
             lps = self.logprobs[self.sent_tokens :] if self.params.logprobs is not None else None
