@@ -104,17 +104,13 @@ def visible_pairs_restore(t: int, seg: int) -> int:
 
 TILES = [
     (128, 64, 4, 3),
-    (128, 64, 4, 4),
-    (128, 128, 4, 3),
     (128, 64, 8, 3),
+    (128, 64, 8, 4),
     (128, 128, 8, 3),
+    (128, 128, 8, 2),
     (64, 64, 4, 3),
 ]
-CONFIGS = [
-    {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "gather_first": g}
-    for bm, bn, w, st in TILES
-    for g in (False, True)
-]
+CONFIGS = [{"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st} for bm, bn, w, st in TILES]
 
 
 def bench(log: Log, sweep: bool = True) -> None:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.attention import masked_attention, position_mask
-from minakv.ops.triton_util import check, interpreting, lazy_jit, num_sms, use_triton
+from minakv.ops.triton_util import check, interpreting, num_sms, use_triton
 
 LOG2E = 1.4426950408889634
 
@@ -134,7 +134,7 @@ def _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks
     check(q.dtype == k_cache.dtype == v_cache.dtype, "q, k_cache and v_cache must share a dtype")
 
 
-@lazy_jit
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, indptr_ptr, slots_ptr, pos_ptr, q_pos_ptr, acc_ptr, ml_ptr,
     scale_log2, window, keys_per_split,
@@ -201,7 +201,7 @@ def _decode_split_kernel(
     tl.store(ml + 1, l_i, mask=g < GROUP)
 
 
-@lazy_jit
+@triton.jit
 def _decode_merge_kernel(
     acc_ptr, ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh,
     D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,

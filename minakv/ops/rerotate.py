@@ -9,7 +9,8 @@ from its old to its new position; values are copied unchanged:
 
 The rotation is undone exactly in fp32 (dividing by cos^2 + sin^2, so YaRN's amplitude does not change
 the key's norm), only the first `rotary_dim` dims rotate, and a key whose position does not change is
-copied bit for bit. The Triton kernel does all layers in one launch; the cos/sin tables (one row per
+copied bit for bit. The kernel composes undo and apply into one rotation per (token, frequency): one
+division per pair instead of two per element, which would make a memory-bound copy compute-bound. The Triton kernel does all layers in one launch; the cos/sin tables (one row per
 moved token) are computed once by `Rope.cos_sin`, exactly as for the torch reference.
 
 Destination slots must be distinct and must not be the source of another moved token (the kernel reads
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.rope import Rope, rerotate
-from minakv.ops.triton_util import check, lazy_jit, use_triton
+from minakv.ops.triton_util import check, use_triton
 
 
 def rerotate_copy(
@@ -103,7 +104,7 @@ def _check_inputs(k_cache, v_cache, src_slots, dst_slots, old_pos, new_pos, rope
     check(rope.rotary_dim <= k_cache.shape[3], f"rotary_dim {rope.rotary_dim} > head_dim {k_cache.shape[3]}")
 
 
-@lazy_jit
+@triton.jit
 def _rerotate_kernel(
     k_ptr, v_ptr, src_ptr, dst_ptr, old_pos_ptr, new_pos_ptr, cos_old_ptr, sin_old_ptr, cos_new_ptr,
     sin_new_ptr, n, stride_kl, stride_ks, stride_vl, stride_vs,
@@ -117,8 +118,15 @@ def _rerotate_kernel(
     dst = tl.load(dst_ptr + t, mask=t_ok, other=0).to(tl.int64)
     same = tl.load(old_pos_ptr + t, mask=t_ok, other=0) == tl.load(new_pos_ptr + t, mask=t_ok, other=0)
 
-    # Tiles are [tokens, heads, dims]: the two rotated halves (i, HALF + i) of every head load as two
-    # tiles, and one cos/sin row per token broadcasts over the heads.
+    # V first (the whole slot row, all heads, unchanged): its loads are then in flight with K's.
+    e = tl.arange(0, ROW_PAD)
+    row_ok = t_ok[:, None] & (e < H * D)[None, :]
+    v = tl.load(v_ptr + layer * stride_vl + src[:, None] * stride_vs + e[None, :], mask=row_ok)
+
+    # K tiles are [tokens, heads, dims]: the two rotated halves (i, HALF + i) of every head load as two
+    # tiles. Undo-then-apply is one rotation per (token, frequency), computed once and broadcast over
+    # the heads: with norm = oc^2 + os^2 (YaRN's amplitude squared),
+    #   out1 = a*y1 + b*y2, out2 = a*y2 - b*y1,  a = (oc*nc + os*ns)/norm, b = (os*nc - oc*ns)/norm.
     h = tl.arange(0, H_PAD)
     i = tl.arange(0, HALF_PAD)
     ok = t_ok[:, None, None] & (h < H)[None, :, None] & (i < HALF)[None, None, :]
@@ -127,30 +135,25 @@ def _rerotate_kernel(
     k_dst = k_ptr + layer * stride_kl + dst[:, None, None] * stride_ks + head_off
     y1_raw = tl.load(k_src, mask=ok, other=0.0)
     y2_raw = tl.load(k_src + HALF, mask=ok, other=0.0)
-    tab = t[:, None, None] * HALF + i[None, None, :]
-    tab_ok = t_ok[:, None, None] & (i < HALF)[None, None, :]
+    tab = t[:, None] * HALF + i[None, :]
+    tab_ok = t_ok[:, None] & (i < HALF)[None, :]
     oc = tl.load(cos_old_ptr + tab, mask=tab_ok, other=1.0)
     os_ = tl.load(sin_old_ptr + tab, mask=tab_ok, other=0.0)
     nc = tl.load(cos_new_ptr + tab, mask=tab_ok, other=1.0)
     ns = tl.load(sin_new_ptr + tab, mask=tab_ok, other=0.0)
+    inv_norm = 1.0 / (oc * oc + os_ * os_)
+    a = ((oc * nc + os_ * ns) * inv_norm)[:, None, :]
+    b = ((os_ * nc - oc * ns) * inv_norm)[:, None, :]
     y1, y2 = y1_raw.to(tl.float32), y2_raw.to(tl.float32)
-    norm = oc * oc + os_ * os_
-    x1 = (y1 * oc + y2 * os_) / norm  # the un-rotated key
-    x2 = (y2 * oc - y1 * os_) / norm
     keep = same[:, None, None]  # unmoved key: exact copy
-    tl.store(k_dst, tl.where(keep, y1_raw, (x1 * nc - x2 * ns).to(y1_raw.dtype)), mask=ok)
-    tl.store(k_dst + HALF, tl.where(keep, y2_raw, (x2 * nc + x1 * ns).to(y2_raw.dtype)), mask=ok)
+    tl.store(k_dst, tl.where(keep, y1_raw, (a * y1 + b * y2).to(y1_raw.dtype)), mask=ok)
+    tl.store(k_dst + HALF, tl.where(keep, y2_raw, (a * y2 - b * y1).to(y2_raw.dtype)), mask=ok)
     if REST_PAD > 0:  # partial rotary: dims past 2 * HALF pass through
         r = tl.arange(0, REST_PAD)
         rest_ok = t_ok[:, None, None] & (h < H)[None, :, None] & (r < D - 2 * HALF)[None, None, :]
         rest_off = h[None, :, None] * D + 2 * HALF + r[None, None, :]
         rest = tl.load(k_ptr + layer * stride_kl + src[:, None, None] * stride_ks + rest_off, mask=rest_ok)
         tl.store(k_ptr + layer * stride_kl + dst[:, None, None] * stride_ks + rest_off, rest, mask=rest_ok)
-
-    # V: the whole slot row (all heads) is copied unchanged.
-    e = tl.arange(0, ROW_PAD)
-    row_ok = t_ok[:, None] & (e < H * D)[None, :]
-    v = tl.load(v_ptr + layer * stride_vl + src[:, None] * stride_vs + e[None, :], mask=row_ok)
     tl.store(v_ptr + layer * stride_vl + dst[:, None] * stride_vs + e[None, :], v, mask=row_ok)
 
 

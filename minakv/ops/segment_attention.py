@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.attention import masked_attention, position_mask
-from minakv.ops.triton_util import check, interpreting, lazy_jit, use_triton
+from minakv.ops.triton_util import check, interpreting, use_triton
 
 LOG2E = 1.4426950408889634
 
@@ -100,7 +100,6 @@ def segment_attention_triton(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
-    gather_first: bool = False,
 ) -> torch.Tensor:
     """The Triton kernel; the keyword-only knobs are for benchmarks and tests."""
     _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks)
@@ -114,34 +113,47 @@ def segment_attention_triton(
     if max_seg_len == 0:
         return out.zero_()
     check(num_segments < 65536, f"at most 65535 segments per launch, got {num_segments}")
-    in_order = _in_order_segments(q_pos, seg_q_indptr, seg_kv_indptr, kv_pos)
-    if gather_first:  # copy every segment's keys into one contiguous list: context keys, then own keys
-        rows = torch.cat([kv_slots, q_slots]).long()
-        k_cache, v_cache = k_cache[rows], v_cache[rows]
+    key_slots, key_pos, in_order = _key_lists(q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos)
+    q_pos = q_pos.int()
     grid = (num_heads, triton.cdiv(max_seg_len, block_m), num_segments)
     _segment_kernel[grid](
-        q, k_cache, v_cache, out, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, in_order,
+        q, k_cache, v_cache, out, q_pos, seg_q_indptr, seg_kv_indptr, key_slots, key_pos, in_order,
         sinks if sinks is not None else q_pos, scale * LOG2E, window if window is not None else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=num_heads // k_cache.shape[1], D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
-        F32_DOT=q.dtype == torch.float32 or interpreting(), GATHERED=gather_first, N_CTX_ALL=kv_slots.shape[0],
-        num_warps=num_warps, num_stages=num_stages,
+        F32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
 
-def _in_order_segments(
-    q_pos: torch.Tensor, seg_q_indptr: torch.Tensor, seg_kv_indptr: torch.Tensor, kv_pos: torch.Tensor
-) -> torch.Tensor:
-    """Per segment, 1 if no context key comes after its first query and its own positions never
+def _key_lists(
+    q_pos: torch.Tensor,
+    q_slots: torch.Tensor,
+    seg_q_indptr: torch.Tensor,
+    seg_kv_indptr: torch.Tensor,
+    kv_slots: torch.Tensor,
+    kv_pos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each segment's whole key list, context keys then own tokens, at offset seg_kv_indptr[g] +
+    seg_q_indptr[g] of flat slot and position arrays (so the kernel reads one index per key); and per
+    segment a flag, 1 if no context key comes after its first query and its own positions never
     decrease (prefill, chunked prefill, restore): then causality by index implies it by position, and
-    without a window only ragged and diagonal blocks need a mask. Runs on the device, no sync."""
+    without a window only the ragged and diagonal blocks need a mask. On the device, no host sync."""
     num_segments, device = seg_q_indptr.shape[0] - 1, q_pos.device
+    num_ctx, num_q = kv_slots.shape[0], q_slots.shape[0]
     segs = torch.arange(num_segments, device=device)
-    seg_of_q = torch.repeat_interleave(segs, seg_q_indptr.diff(), output_size=q_pos.shape[0])
-    seg_of_kv = torch.repeat_interleave(segs, seg_kv_indptr.diff(), output_size=kv_pos.shape[0])
+    seg_of_q = torch.repeat_interleave(segs, seg_q_indptr.diff(), output_size=num_q)
+    seg_of_kv = torch.repeat_interleave(segs, seg_kv_indptr.diff(), output_size=num_ctx)
+    at_ctx = torch.arange(num_ctx, device=device) + seg_q_indptr[seg_of_kv]
+    at_own = torch.arange(num_q, device=device) + seg_kv_indptr[seg_of_q + 1]
+    # int32 indices and positions: int64 masks on [BLOCK_M, BLOCK_N] tiles would cost registers.
+    key_slots = torch.empty(num_ctx + num_q, dtype=torch.int32, device=device)
+    key_pos = torch.empty(num_ctx + num_q, dtype=torch.int32, device=device)
+    key_slots[at_ctx], key_slots[at_own] = kv_slots.int(), q_slots.int()
+    key_pos[at_ctx], key_pos[at_own] = kv_pos.int(), q_pos.int()
+
     first_q = torch.full((num_segments,), 2**62, device=device).scatter_reduce(
         0, seg_of_q, q_pos.long(), "amin"
     )
@@ -152,7 +164,7 @@ def _in_order_segments(
     steps_back = torch.zeros(num_segments, dtype=torch.int32, device=device).index_add(
         0, seg_of_q[1:], backwards
     )
-    return ((last_kv <= first_q) & (steps_back == 0)).to(torch.int32)
+    return key_slots, key_pos, ((last_kv <= first_q) & (steps_back == 0)).to(torch.int32)
 
 
 def _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks):
@@ -168,14 +180,13 @@ def _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indp
     check(q.dtype == k_cache.dtype == v_cache.dtype, "q, k_cache and v_cache must share a dtype")
 
 
-@lazy_jit
+@triton.jit
 def _segment_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, q_pos_ptr, q_slots_ptr, seg_q_ptr, seg_kv_ptr, kv_slots_ptr, kv_pos_ptr,
-    in_order_ptr, sinks_ptr, scale_log2, window,
+    q_ptr, k_ptr, v_ptr, out_ptr, q_pos_ptr, seg_q_ptr, seg_kv_ptr, key_slots_ptr, key_pos_ptr, in_order_ptr,
+    sinks_ptr, scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_vs, stride_vh,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32_DOT: tl.constexpr, GATHERED: tl.constexpr,
-    N_CTX_ALL,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (causal) blocks first
@@ -186,84 +197,40 @@ def _segment_kernel(
         return
     ks = tl.load(seg_kv_ptr + seg)
     n_ctx = tl.load(seg_kv_ptr + seg + 1) - ks
-    out_of_order = tl.load(in_order_ptr + seg) == 0
-    kv_head = head // GROUP
+    in_order = tl.load(in_order_ptr + seg) != 0
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the segment
     row_ok = rows < n_q
     d = tl.arange(0, D_PAD)
-    d_ok = d < D
     q_off = (qs + rows).to(tl.int64)
-    q_mask = row_ok[:, None] & d_ok[None, :]
+    q_mask = row_ok[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + q_off[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
     qp = tl.load(q_pos_ptr + qs + rows, mask=row_ok, other=0)
-    if HAS_WINDOW:
-        qp_min = tl.min(tl.where(row_ok, qp, 2147483647), 0)
-        qp_max = tl.max(tl.where(row_ok, qp, -2147483647), 0)
+    qp_min = tl.min(tl.where(row_ok, qp, 2147483647), 0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # A finite floor instead of -inf for the running max: fully masked blocks then need no special case.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    # Keys 0..n_ctx-1 are the context; key n_ctx + i is the segment's own token i (causal prefix).
+    # The key list: n_ctx context keys, then own token i at n_ctx + i (causal prefix). In an in-order
+    # segment without a window, key blocks ending before this query block's first own token need no
+    # mask: walk those first, then the rest (diagonal, ragged end) masked.
+    keys = ks + qs  # offset of this segment's key list
     n_keys = n_ctx + tl.minimum(n_q, (m_block + 1) * BLOCK_M)
-    for j in range(0, n_keys, BLOCK_N):
-        cols = j + tl.arange(0, BLOCK_N)
-        own = cols - n_ctx
-        is_ctx = cols < n_ctx
-        is_own = (own >= 0) & (cols < n_keys)
-        if GATHERED:  # keys were copied in list order: row = list index, no index load
-            slot = tl.where(is_ctx, ks + cols, N_CTX_ALL + qs + own).to(tl.int64)
-        else:
-            slot = tl.where(
-                is_ctx,
-                tl.load(kv_slots_ptr + ks + cols, mask=is_ctx, other=0),
-                tl.load(q_slots_ptr + qs + own, mask=is_own, other=0),
-            ).to(tl.int64)
-        kp = tl.where(
-            is_ctx,
-            tl.load(kv_pos_ptr + ks + cols, mask=is_ctx, other=0),
-            tl.load(q_pos_ptr + qs + own, mask=is_own, other=0),
-        )
-        valid = is_ctx | is_own
-        # Which blocks need the elementwise mask: in an in-order segment without a window, only the
-        # ragged last block and blocks reaching past the first query of this block (the diagonal).
-        need_mask = out_of_order | (j + BLOCK_N > n_keys) | (j + BLOCK_N - 1 - n_ctx > m_block * BLOCK_M)
-        skip = False
-        if HAS_WINDOW:  # positions decide: skip blocks wholly older than the window, mask the rest
-            kp_min = tl.min(tl.where(valid, kp, 2147483647), 0)
-            kp_max = tl.max(tl.where(valid, kp, -2147483647), 0)
-            skip = qp_min - kp_max >= window
-            need_mask = need_mask | (kp_max > qp_min) | (qp_max - kp_min >= window)
-        if not skip:
-            kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
-            )
-            v = tl.load(
-                v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
-            )
-            if F32_DOT:  # fp32 inputs: exact fp32 products, not tf32
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            if need_mask:
-                diff = qp[:, None] - kp[None, :]
-                visible = valid[None, :] & (diff >= 0) & (own[None, :] <= rows[:, None])
-                if HAS_WINDOW:
-                    visible = visible & (diff < window)
-                s = tl.where(visible, s, float("-inf"))
-            # Scores stay unscaled; the scale folds into one multiply-add inside exp2.
-            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: avoid inf - inf
-            p = tl.math.exp2(s * scale_log2 - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if F32_DOT:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+    unmasked_end = (tl.minimum(n_keys, n_ctx + m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        unmasked_end = 0
+    unmasked_end = tl.where(in_order, unmasked_end, 0)
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, qp, qp_min, rows, keys, n_ctx, 0, unmasked_end, key_slots_ptr, key_pos_ptr,
+        k_ptr, v_ptr, head // GROUP, stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, window,
+        D, D_PAD, BLOCK_N, False, HAS_WINDOW, F32_DOT,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, qp, qp_min, rows, keys, n_ctx, unmasked_end, n_keys, key_slots_ptr, key_pos_ptr,
+        k_ptr, v_ptr, head // GROUP, stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, window,
+        D, D_PAD, BLOCK_N, True, HAS_WINDOW, F32_DOT,
+    )  # fmt: skip
 
     if HAS_SINKS:  # one more logit in the denominator, with no value
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
@@ -274,6 +241,61 @@ def _segment_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # nothing visible and no sink: 0
     o_ptrs = out_ptr + q_off[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _attend_keys(
+    acc, m_i, l_i, q, qp, qp_min, rows, keys, n_ctx, lo, hi, key_slots_ptr, key_pos_ptr, k_ptr, v_ptr,
+    kv_head, stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, window,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over the key blocks [lo, hi) of a segment's key list. MASKED applies the ragged
+    end, positions, index causality for own tokens and the window elementwise."""
+    d = tl.arange(0, D_PAD)
+    for j in range(lo, hi, BLOCK_N):
+        cols = j + tl.arange(0, BLOCK_N)
+        if MASKED:
+            valid = cols < hi
+            slot = tl.load(key_slots_ptr + keys + cols, mask=valid, other=0).to(tl.int64)
+            kp = tl.load(key_pos_ptr + keys + cols, mask=valid, other=0)
+            kv_mask = valid[:, None] & (d < D)[None, :]
+        else:
+            slot = tl.load(key_slots_ptr + keys + cols).to(tl.int64)
+            kv_mask = (d < D)[None, :]
+        run = True
+        if HAS_WINDOW and MASKED:  # skip key blocks wholly older than the window for all queries here
+            run = qp_min - tl.max(tl.where(valid, kp, -2147483647), 0) < window
+        if run:
+            k = tl.load(
+                k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
+            )
+            if F32_DOT:  # fp32 inputs: exact fp32 products, not tf32
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            if MASKED:
+                diff = qp[:, None] - kp[None, :]
+                own = cols - n_ctx  # own token index, negative for context keys
+                visible = valid[None, :] & (diff >= 0) & (own[None, :] <= rows[:, None])
+                if HAS_WINDOW:
+                    visible = visible & (diff < window)
+                s = tl.where(visible, s, float("-inf"))
+            # Scores stay unscaled; the scale folds into one multiply-add inside exp2.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+            p = tl.math.exp2(s * scale_log2 - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            if F32_DOT:
+                acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+    return acc, m_i, l_i
 
 
 __all__ = ["segment_attention", "segment_attention_ref", "segment_attention_triton"]

@@ -1,34 +1,16 @@
 """Small helpers shared by minakv's Triton kernels.
 
-Kernels are wrapped with `lazy_jit` instead of `@triton.jit`: Triton decides at decoration time whether
-a kernel runs compiled or in its CPU interpreter (TRITON_INTERPRET=1). Decorating at first launch lets a
-test set the variable after the module was imported (by some other test) and still run the kernel on
-CPU tensors. Each op picks the Triton path for CUDA tensors and its torch reference otherwise.
+Each op picks the Triton path for CUDA tensors and its torch reference otherwise. Triton decides when a
+kernel is decorated (at import) whether it runs compiled or in its CPU interpreter (TRITON_INTERPRET=1),
+so tests that run kernels on CPU set that variable before anything imports Triton (`interpreter_ready`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
-from typing import Any
 
 import torch
-import triton
-
-
-class lazy_jit:
-    """`kernel[grid](...)` like a `triton.jit` function, jitted on first use (once per interpret mode)."""
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-        self.jitted: dict[bool, Any] = {}
-
-    def __getitem__(self, grid: Any) -> Any:
-        interpret = interpreting()
-        if interpret not in self.jitted:
-            self.jitted[interpret] = triton.jit(self.fn)
-        return self.jitted[interpret][grid]
 
 
 def interpreting() -> bool:
