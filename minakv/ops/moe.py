@@ -7,15 +7,24 @@ Weight layout, shared by both families (the loader converts checkpoints into it)
   optional biases gate_up_bias [E, 2I] (same row order) and down_bias [E, H] (GPT-OSS).
 All weights are (out, in), like nn.Linear, so `x @ w.T` is a projection.
 
-`moe` is the reference a Triton kernel shares its signature with: it groups the (token, expert) pairs by
-expert and runs one matmul per expert that got tokens (a loop over experts, never over tokens), then
-scatters the weighted outputs back with index_add in fp32.
+`moe` picks one of three ways to compute the same function, none of which loops over tokens:
+- `moe_loop` (the reference, CPU): group the (token, expert) pairs by expert and run one matmul per expert
+  that got tokens, then scatter the weighted outputs back with index_add in fp32. Reading the group sizes
+  is a host sync, which is free on CPU and costly on a GPU.
+- `moe_grouped` (CUDA, bf16/fp16): the same grouping, but one grouped GEMM (`F.grouped_mm`) per projection
+  over all experts at once. No host sync (so a decode step can be captured in a CUDA graph), and only the
+  weights of experts that got tokens are read, which is what decode at small batch is bound by.
+- `moe_dense` (CUDA, other dtypes, few tokens): every token through every expert with a batched matmul,
+  combined with a [T, E] weight matrix that is zero off the chosen experts. Wasteful in bytes, but sync-free
+  and exact in fp32, so small fp32 models can be graph-captured too.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+DENSE_MAX_PAIRS = 4096  # moe_dense only while tokens * experts stays small (it computes every pair)
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +47,7 @@ def route_sigmoid_bias(
 def activate(
     gate_up: torch.Tensor, activation: str, limit: float = 7.0, alpha: float = 1.702
 ) -> torch.Tensor:
-    """[N, 2I] (gate halves | up halves) -> [N, I]."""
+    """[..., 2I] (gate halves | up halves) -> [..., I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
@@ -63,6 +72,17 @@ def moe(
     alpha: float = 1.702,
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype."""
+    args = (x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(F, "grouped_mm"):
+        return moe_grouped(*args)
+    if x.is_cuda and x.shape[0] * gate_up.shape[0] <= DENSE_MAX_PAIRS:
+        return moe_dense(*args)
+    return moe_loop(*args)
+
+
+def moe_loop(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_bias=None,
+             activation="silu", limit=7.0, alpha=1.702) -> torch.Tensor:  # fmt: skip
+    """The reference: one matmul per expert that got tokens (syncs once to read the group sizes)."""
     num_tokens, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
@@ -83,4 +103,51 @@ def moe(
         h = activate(h, activation, limit, alpha)
         y = F.linear(h, down[expert], None if down_bias is None else down_bias[expert])
         out.index_add_(0, idx, y.float() * w[:, None])
+    return out.to(x.dtype)
+
+
+def moe_grouped(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_bias=None,
+                activation="silu", limit=7.0, alpha=1.702) -> torch.Tensor:  # fmt: skip
+    """One grouped GEMM per projection over the pairs sorted by expert; no host sync.
+
+    The k outputs of each token are put back in (token, slot) order and summed in fp32 by a plain
+    reduction, so the result is deterministic (no atomics)."""
+    num_tokens, k = topk_ids.shape
+    num_experts = gate_up.shape[0]
+    flat_ids = topk_ids.reshape(-1)
+    expert_of, order = torch.sort(flat_ids, stable=True)
+    # group ends for grouped_mm; a scatter-add counts without the host sync that bincount's sizing needs
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat_ids.to(torch.int64), torch.ones_like(flat_ids, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    xs = x.index_select(0, order // k)
+    h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias.index_select(0, expert_of)
+    h = activate(h, activation, limit, alpha)
+    y = F.grouped_mm(h, down.transpose(1, 2), offs=offs)
+    if down_bias is not None:
+        y = y + down_bias.index_select(0, expert_of)
+    pairs = torch.empty_like(y)
+    pairs[order] = y  # back to (token, slot) order
+    out = (pairs.view(num_tokens, k, -1).float() * topk_weights.float()[:, :, None]).sum(1)
+    return out.to(x.dtype)
+
+
+def moe_dense(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_bias=None,
+              activation="silu", limit=7.0, alpha=1.702) -> torch.Tensor:  # fmt: skip
+    """Every token through every expert (batched matmuls), then a weighted sum over the chosen ones."""
+    num_tokens = x.shape[0]
+    num_experts = gate_up.shape[0]
+    xe = x.unsqueeze(0).expand(num_experts, num_tokens, x.shape[1])
+    h = torch.bmm(xe, gate_up.transpose(1, 2))  # [E, T, 2I]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[:, None, :]
+    h = activate(h, activation, limit, alpha)
+    y = torch.bmm(h, down.transpose(1, 2))  # [E, T, H]
+    if down_bias is not None:
+        y = y + down_bias[:, None, :]
+    combine = torch.zeros(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    combine.scatter_(1, topk_ids.to(torch.int64), topk_weights.float())
+    out = torch.einsum("te,eth->th", combine, y.float())
     return out.to(x.dtype)
