@@ -178,18 +178,22 @@ def run_random_operations(seed: int, steps: int) -> None:
         if op < 0.5:  # a request arrives: match, take what it can, allocate the rest, maybe publish
             program, ids = random_request(rng)
             keys = page_keys(program, ids, page_size)
+            matches = index.match(keys)
+            shared = [m.page for m in matches if m is not None and m.kind == "exact"]
+            pool.incref(shared)  # hold what matched before anything is evicted
             table = []
-            for key, match in zip(keys, index.match(keys)):
+            for i, match in enumerate(matches):
                 if match is not None and match.kind == "exact":
-                    pool.incref([match.page])
                     table.append(match.page)
-                else:
-                    if pool.num_free == 0:
-                        evicted = index.evict(1)
-                        assert all(pool.refcount[p] == 0 for p in evicted)
-                    if pool.num_free == 0:
-                        break  # no memory: the scheduler would preempt; here the request stops early
-                    table.extend(pool.allocate(1))
+                    continue
+                if pool.num_free == 0:
+                    evicted = index.evict(1)
+                    assert all(pool.refcount[p] == 0 for p in evicted)
+                if pool.num_free == 0:  # no memory: the scheduler would preempt; here the request stops
+                    pool.decref([m.page for m in matches[i + 1 :] if m is not None and m.kind == "exact"])
+                    break
+                table.extend(pool.allocate(1))
+            assert len(set(table)) == len(table)
             if rng.random() < 0.7:
                 index.insert(keys[: len(table)], table)
             running.append(table)

@@ -61,7 +61,10 @@ class PageIndex:
         entry.last_used = self.clock
 
     def match(self, keys: Sequence[PageKey]) -> list[Match | None]:
-        """Per page key: how to reuse cached KV for it, or None. Touches what it finds (LRU)."""
+        """Per page key: how to reuse cached KV for it, or None. Touches what it finds (LRU).
+
+        Take a pool reference on the pages you use (`pool.incref`) before evicting anything: an
+        eviction may otherwise free a matched page and hand it out again."""
         out: list[Match | None] = []
         for key in keys:
             entry = self.exact.get(key.exact)

@@ -152,6 +152,8 @@ class Program:
 
     def segments(self, a: int, b: int) -> list[Segment]:
         """Cut the queries [a, b) (a chunk; may run past the prompt into generated tokens) into segments."""
+        if a >= b:
+            return []
         bounds = [a, *self.cut_points(a, b).tolist(), b]
         out = []
         for s, e in pairwise(bounds):
