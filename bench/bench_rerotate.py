@@ -80,7 +80,7 @@ def bench(log: Log, copy_bw: float, sweep: bool = True) -> None:
     best = {}
     if sweep:
         timings = []
-        for bt in (4, 8, 16, 32):
+        for bt in (2, 4, 8, 16):
             for w in (4, 8):
                 cfg = {"block_t": bt, "num_warps": w}
                 ms = bench_ms(lambda cfg=cfg: rerotate_copy_triton(k, v, src, dst, old, new, rope, **cfg))

@@ -100,6 +100,7 @@ def segment_attention_triton(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel; the keyword-only knobs are for benchmarks and tests."""
     _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks)
@@ -124,6 +125,7 @@ def segment_attention_triton(
         GROUP=num_heads // k_cache.shape[1], D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
         F32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
 
@@ -278,11 +280,10 @@ def _attend_keys(
             else:
                 s = tl.dot(q, tl.trans(k))
             if MASKED:
-                diff = qp[:, None] - kp[None, :]
                 own = cols - n_ctx  # own token index, negative for context keys
-                visible = valid[None, :] & (diff >= 0) & (own[None, :] <= rows[:, None])
+                visible = (kp[None, :] <= qp[:, None]) & (own[None, :] <= rows[:, None]) & valid[None, :]
                 if HAS_WINDOW:
-                    visible = visible & (diff < window)
+                    visible = visible & (kp[None, :] > qp[:, None] - window)
                 s = tl.where(visible, s, float("-inf"))
             # Scores stay unscaled; the scale folds into one multiply-add inside exp2.
             m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
