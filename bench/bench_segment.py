@@ -102,11 +102,9 @@ def visible_pairs_restore(t: int, seg: int) -> int:
     return int(vis.sum())
 
 
-TILES = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
-CONFIGS = [{"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st} for bm, bn, w, st in TILES]
-CONFIGS += [
-    {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "maxnreg": r} for r in (168, 128)
-]
+CONFIGS = [{"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": st, "maxnreg": r} for st, r in
+           [(3, 168), (4, 168), (3, 160), (3, 184), (3, None)]]  # fmt: skip
+CONFIGS += [{"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "maxnreg": 128}]
 
 
 def bench(log: Log, sweep: bool = True) -> None:

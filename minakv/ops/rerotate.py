@@ -71,8 +71,8 @@ def rerotate_copy_triton(
     new_pos: torch.Tensor,
     rope: Rope,
     *,
-    block_t: int = 8,
-    num_warps: int = 8,
+    block_t: int = 4,
+    num_warps: int = 4,
 ) -> None:
     """The Triton kernel: one program per block of tokens walks all layers; knobs are for benchmarks."""
     _check_inputs(k_cache, v_cache, src_slots, dst_slots, old_pos, new_pos, rope)

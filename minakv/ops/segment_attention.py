@@ -100,7 +100,7 @@ def segment_attention_triton(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
-    maxnreg: int | None = None,
+    maxnreg: int | None = 168,
 ) -> torch.Tensor:
     """The Triton kernel; the keyword-only knobs are for benchmarks and tests."""
     _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks)
@@ -125,7 +125,8 @@ def segment_attention_triton(
         GROUP=num_heads // k_cache.shape[1], D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
         F32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        # A register cap of 168 fits three 4-warp programs per multiprocessor (H200 sweep: +13%).
+        **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}),
     )  # fmt: skip
     return out
 
@@ -192,7 +193,7 @@ def _segment_kernel(
 ):  # fmt: skip
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (causal) blocks first
-    seg = tl.program_id(2)
+    seg = tl.num_programs(2) - 1 - tl.program_id(2)  # later segments tend to have more context: first
     qs = tl.load(seg_q_ptr + seg)
     n_q = tl.load(seg_q_ptr + seg + 1) - qs
     if m_block * BLOCK_M >= n_q:
