@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 from test_cache_oracle import ARCHS, one_thread, tiny_model  # noqa: F401 (an autouse fixture)
 from test_cache_program import WalkError, requests, walk
 
+from minakv.cache.index import PageIndex
+from minakv.cache.keys import page_keys
 from minakv.cache.oracle import WalkOracle
+from minakv.cache.pool import PagePool
 from minakv.cache.program import compile_program
-from minakv.cache.restore import plan_restore
+from minakv.cache.restore import cached_tokens, plan_restore
 from minakv.cache.segments import SegmentContext, StoredKV
 from minakv.ops.rope import apply_rope, rerotate
 
@@ -222,3 +225,39 @@ def test_two_sequences_in_one_batch():
         logits = model.compute_logits(model(torch.tensor(ids1 + ids2), ctx))
     torch.testing.assert_close(logits, torch.cat([r1.logits, r2.logits]), rtol=0, atol=1e-6)
     assert ctx.tokens(2).tolist() == [0, 1, 2, 3]
+
+
+def test_second_round_reuses_rerotated_pages_and_skips_an_evicted_dropped_page():
+    """The whole flow: round 1 is cached page by page; its dropped-only page is evicted first; round 2
+    repeats the drop, adds a reposition and a message: it shares page 0, re-rotates pages 2-3, steps over
+    the hole, and computes only its new message, equal to the oracle."""
+    model = tiny_model("minimax_m2")
+    page = 4
+    owners1, ids1 = [m for m in range(4) for _ in range(page)], [(5 * i + 2) % 64 for i in range(16)]
+    round1 = compile_program(owners1, 4, {"2": [1]})
+    oracle1 = WalkOracle(model, round1)
+    oracle1.run(ids1)
+    index = PageIndex(PagePool(8, page))
+    keys1 = page_keys(round1, ids1, page)
+    pages = index.pool.allocate(len(keys1))
+    index.insert(keys1, pages)
+    index.pool.decref(pages)  # round 1 ends
+    assert index.evict(1) == [pages[1]]  # message 1: dropped, nobody reads it again
+
+    owners2, ids2 = owners1 + [4] * page, ids1 + [9, 8, 7, 6]
+    round2 = compile_program(owners2, 5, {"2": [1]}, [3])
+    matches = index.match(page_keys(round2, ids2, page))
+    assert [m.kind if m else None for m in matches] == ["exact", None, "rerotate", "rerotate", None]
+    have = cached_tokens(matches, page, len(ids2))
+    plan = plan_restore(round2, have)
+    assert plan.recompute.tolist() == [16, 17, 18, 19]
+
+    # The cached pages as the pool would hold them: round 1's keys at the positions their keys record.
+    cached = [t for i, m in enumerate(matches) if m for t in range(i * page, (i + 1) * page)]
+    stored_at = [p for m in matches if m for p in m.old_positions]
+    stored = stored_from_oracle(oracle1, model, cached, stored_at)
+    ctx = SegmentContext(plan.segments, stored)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.tensor(ids2[16:]), ctx))
+    run2 = WalkOracle(model, round2).run(ids2)
+    torch.testing.assert_close(logits, run2.logits[16:], rtol=0, atol=1e-5)

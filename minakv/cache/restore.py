@@ -22,11 +22,12 @@ same pass (a missing key left out is, by construction, outside every reading que
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from minakv.cache.index import Match
 from minakv.cache.program import NEVER, Program, Segment
 
 
@@ -108,3 +109,12 @@ def plan_restore(
                 Segment(seg.queries, seg.query_positions, seg.keys[keep], seg.key_positions[keep])
             )
     return RestorePlan(queries, segments)
+
+
+def cached_tokens(matches: Sequence[Match | None], page_size: int, length: int) -> np.ndarray:
+    """`have` for plan_restore from PageIndex.match: tokens of matched pages (exact or re-rotatable)."""
+    have = np.zeros(length, dtype=bool)
+    for index, match in enumerate(matches):
+        if match is not None:
+            have[index * page_size : (index + 1) * page_size] = True
+    return have
