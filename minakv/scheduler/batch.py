@@ -13,6 +13,7 @@ torch references elsewhere).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain, pairwise
 
 import torch
 
@@ -58,24 +59,62 @@ class ForwardBatch:
 class PagedContext:
     def __init__(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         device = k_cache.device
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        self.k_cache, self.v_cache = k_cache, v_cache
-        self.positions = tensor(batch.positions)
-        self.slots = tensor(batch.slots)
-        self.num_decode = batch.num_decode
-        self.seg_q_indptr = tensor(batch.seg_q_indptr)
-        self.kv_indptr = tensor(batch.kv_indptr)
-        self.kv_slots = tensor(batch.kv_slots)
-        self.kv_pos = tensor(batch.kv_pos)
-        self.decode_keys = batch.kv_indptr[batch.num_decode]  # keys of decode queries come first
+        # all index lists in one host tensor and one copy: on CUDA a pinned, asynchronous transfer
+        lists = [
+            batch.positions,
+            batch.slots,
+            batch.seg_q_indptr,
+            batch.kv_indptr,
+            batch.kv_slots,
+            batch.kv_pos,
+        ]
+        flat = torch.tensor(list(chain(*lists)), dtype=torch.int64, pin_memory=device.type == "cuda")
+        parts = flat.to(device, non_blocking=True).split([len(xs) for xs in lists])
         # host-side sizes, so the kernels need not read them back from the device
-        lengths = [b - a for a, b in zip(batch.kv_indptr, batch.kv_indptr[1:])]
-        self.max_kv_len = max(lengths[: batch.num_decode], default=0) + 1
+        lengths = [b - a for a, b in pairwise(batch.kv_indptr)]
         seg = batch.seg_q_indptr
-        self.max_seg_len = max((b - a for a, b in zip(seg, seg[1:])), default=0)
+        self._init(
+            k_cache, v_cache, *parts, num_decode=batch.num_decode,
+            decode_keys=batch.kv_indptr[batch.num_decode],  # keys of decode queries come first
+            max_kv_len=max(lengths[: batch.num_decode], default=0) + 1,
+            max_seg_len=max((b - a for a, b in pairwise(seg)), default=0),
+        )  # fmt: skip
+
+    @classmethod
+    def decode_only(
+        cls,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_slots: torch.Tensor,
+        kv_pos: torch.Tensor,
+        max_kv_len: int,
+    ) -> PagedContext:
+        """A context of decode queries only, over device tensors the caller owns (the static buffers of
+        a CUDA graph, minakv/scheduler/graphs.py); `max_kv_len` bounds every request's key count."""
+        self = cls.__new__(cls)
+        empty = torch.zeros(1, dtype=torch.int64, device=k_cache.device)
+        self._init(
+            k_cache, v_cache, positions, slots, empty, kv_indptr, kv_slots, kv_pos,
+            num_decode=positions.shape[0], decode_keys=0, max_kv_len=max_kv_len, max_seg_len=0,
+        )  # fmt: skip
+        return self
+
+    def _init(
+        self, k_cache, v_cache, positions, slots, seg_q_indptr, kv_indptr, kv_slots, kv_pos, *,
+        num_decode: int, decode_keys: int, max_kv_len: int, max_seg_len: int,
+    ) -> None:  # fmt: skip
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.positions, self.slots, self.num_decode = positions, slots, num_decode
+        self.seg_q_indptr, self.kv_indptr, self.kv_slots, self.kv_pos = (
+            seg_q_indptr,
+            kv_indptr,
+            kv_slots,
+            kv_pos,
+        )
+        self.decode_keys, self.max_kv_len, self.max_seg_len = decode_keys, max_kv_len, max_seg_len
         self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attend(
@@ -89,18 +128,20 @@ class PagedContext:
         k_cache, v_cache = self.k_cache[layer.index], self.v_cache[layer.index]
         k_cache[self.slots] = k.to(k_cache.dtype)
         v_cache[self.slots] = v.to(v_cache.dtype)
-        out = torch.empty_like(q)
         b = self.num_decode
+        decode = segments = None
         if b:
-            out[:b] = decode_attention(
+            decode = decode_attention(
                 q[:b], k_cache, v_cache, self.kv_indptr[: b + 1], self.kv_slots, self.kv_pos,
                 self.positions[:b], layer.scale, layer.window, layer.sinks, max_kv_len=self.max_kv_len,
             )  # fmt: skip
         if q.shape[0] > b:
-            out[b:] = segment_attention(
+            n = self.decode_keys
+            segments = segment_attention(
                 q[b:], k_cache, v_cache, self.positions[b:], self.slots[b:], self.seg_q_indptr,
-                self.kv_indptr[b:] - self.decode_keys, self.kv_slots[self.decode_keys :],
-                self.kv_pos[self.decode_keys :], layer.scale, layer.window, layer.sinks,
-                max_seg_len=self.max_seg_len,
+                self.kv_indptr[b:] - n, self.kv_slots[n:], self.kv_pos[n:], layer.scale, layer.window,
+                layer.sinks, max_seg_len=self.max_seg_len,
             )  # fmt: skip
-        return out
+        if segments is None:
+            return decode
+        return segments if decode is None else torch.cat([decode, segments])
