@@ -14,7 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before `import triton`, which jits its stdlib
 
-from minakv.ops.segment_attention import segment_attention, segment_attention_ref, segment_attention_triton
+from minakv.ops.segment_attention import (
+    plan_segments,
+    segment_attention,
+    segment_attention_ref,
+    segment_attention_triton,
+)
 from minakv.ops.triton_util import interpreter_ready
 
 interpreted = pytest.mark.skipif(
@@ -118,6 +123,9 @@ def test_segments_bf16_default_blocks() -> None:
     out = segment_attention_triton(**case, window=16)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) < 1e-2
+    meta = [case[m] for m in ("q_pos", "q_slots", "seg_q_indptr", "seg_kv_indptr", "kv_slots", "kv_pos")]
+    planned = segment_attention_triton(**case, window=16, plan=plan_segments(*meta))
+    assert torch.equal(planned, out)  # a plan built once gives what the per-call plan gives
 
 
 @interpreted

@@ -19,6 +19,8 @@ window, out-of-order positions); with a window, key blocks wholly outside it are
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -43,11 +45,12 @@ def segment_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
     max_seg_len: int | None = None,  # host-side hint: longest segment (saves a device sync)
+    plan: SegmentPlan | None = None,  # from plan_segments on the same metadata, shared by all layers
 ) -> torch.Tensor:
     """Attention output [T, Hq, D]: Triton on CUDA tensors, the torch reference otherwise."""
     fn = segment_attention_triton if use_triton(q) else segment_attention_ref
     args = (q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, scale, window, sinks, max_seg_len)
-    return fn(q, k_cache, v_cache, *args)
+    return fn(q, k_cache, v_cache, *args, plan)
 
 
 def segment_attention_ref(
@@ -64,6 +67,7 @@ def segment_attention_ref(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     max_seg_len: int | None = None,
+    plan: SegmentPlan | None = None,
 ) -> torch.Tensor:
     """Torch reference: per segment, gather context + own keys and run the dense masked attention."""
     _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks)
@@ -95,6 +99,7 @@ def segment_attention_triton(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     max_seg_len: int | None = None,
+    plan: SegmentPlan | None = None,
     *,
     block_m: int = 128,
     block_n: int = 64,
@@ -109,17 +114,16 @@ def segment_attention_triton(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_segments == 0:
         return out.zero_()
-    if max_seg_len is None:
-        max_seg_len = int((seg_q_indptr[1:] - seg_q_indptr[:-1]).max().item())
-    if max_seg_len == 0:
-        return out.zero_()
     check(num_segments < 65536, f"at most 65535 segments per launch, got {num_segments}")
-    key_slots, key_pos, in_order = _key_lists(q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos)
-    q_pos = q_pos.int()
-    grid = (num_heads, triton.cdiv(max_seg_len, block_m), num_segments)
+    if plan is None:
+        plan = plan_segments(q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, max_seg_len)
+    if plan.max_seg_len == 0:
+        return out.zero_()
+    grid = (num_heads, triton.cdiv(plan.max_seg_len, block_m), num_segments)
     _segment_kernel[grid](
-        q, k_cache, v_cache, out, q_pos, seg_q_indptr, seg_kv_indptr, key_slots, key_pos, in_order,
-        sinks if sinks is not None else q_pos, scale * LOG2E, window if window is not None else 0,
+        q, k_cache, v_cache, out, plan.q_pos, seg_q_indptr, seg_kv_indptr, plan.key_slots, plan.key_pos,
+        plan.in_order, sinks if sinks is not None else plan.q_pos, scale * LOG2E,
+        window if window is not None else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=num_heads // k_cache.shape[1], D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
@@ -131,19 +135,31 @@ def segment_attention_triton(
     return out
 
 
-def _key_lists(
+class SegmentPlan(NamedTuple):
+    """What the kernel needs besides q and the caches; the same for every layer of one forward."""
+
+    key_slots: torch.Tensor  # int32 [N + T]: each segment's keys, context then own tokens
+    key_pos: torch.Tensor  # int32 [N + T]
+    in_order: torch.Tensor  # int32 [G]
+    q_pos: torch.Tensor  # int32 [T]
+    max_seg_len: int
+
+
+def plan_segments(
     q_pos: torch.Tensor,
     q_slots: torch.Tensor,
     seg_q_indptr: torch.Tensor,
     seg_kv_indptr: torch.Tensor,
     kv_slots: torch.Tensor,
     kv_pos: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    max_seg_len: int | None = None,
+) -> SegmentPlan:
     """Each segment's whole key list, context keys then own tokens, at offset seg_kv_indptr[g] +
     seg_q_indptr[g] of flat slot and position arrays (so the kernel reads one index per key); and per
     segment a flag, 1 if no context key comes after its first query and its own positions never
     decrease (prefill, chunked prefill, restore): then causality by index implies it by position, and
-    without a window only the ragged and diagonal blocks need a mask. On the device, no host sync."""
+    without a window only the ragged and diagonal blocks need a mask. On the device; the only host
+    sync is for max_seg_len when not given. Build it once per forward and pass it to every layer."""
     num_segments, device = seg_q_indptr.shape[0] - 1, q_pos.device
     num_ctx, num_q = kv_slots.shape[0], q_slots.shape[0]
     segs = torch.arange(num_segments, device=device)
@@ -167,7 +183,10 @@ def _key_lists(
     steps_back = torch.zeros(num_segments, dtype=torch.int32, device=device).index_add(
         0, seg_of_q[1:], backwards
     )
-    return key_slots, key_pos, ((last_kv <= first_q) & (steps_back == 0)).to(torch.int32)
+    in_order = ((last_kv <= first_q) & (steps_back == 0)).to(torch.int32)
+    if max_seg_len is None:
+        max_seg_len = int(seg_q_indptr.diff().max().item()) if num_segments else 0
+    return SegmentPlan(key_slots, key_pos, in_order, q_pos.int(), max_seg_len)
 
 
 def _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, sinks):
@@ -300,4 +319,10 @@ def _attend_keys(
     return acc, m_i, l_i
 
 
-__all__ = ["segment_attention", "segment_attention_ref", "segment_attention_triton"]
+__all__ = [
+    "SegmentPlan",
+    "plan_segments",
+    "segment_attention",
+    "segment_attention_ref",
+    "segment_attention_triton",
+]

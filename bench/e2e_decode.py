@@ -1,0 +1,243 @@
+"""End-to-end decode on a gpt-oss-20b-shaped model with random bf16 weights: minakv's Engine against
+transformers' `generate` on the same weights, in the same process (issue 6, acceptance 4).
+
+    PYTHONUNBUFFERED=1 python bench/e2e_decode.py [--layers 24] [--batches 1,32] [--prompt 128]
+
+Shape: 24 layers, hidden 2880, 64 query / 8 KV heads of 64, 32 experts top-4 (intermediate 2880), vocab
+201088, window 128 on even layers: transformers' GptOssConfig defaults. Our weights are drawn on the GPU
+(normal(0, 0.02), norms 1) and copied into transformers' layout (gate/up interleaved, [in, out]); a logits
+check on one prompt confirms the two models compute the same function before anything is timed.
+
+Per-step decode time is measured by difference: generate N1 and then N2 new tokens from fresh random
+prompts of the same length and batch, (t(N2) - t(N1)) / (N2 - N1), which removes prefill and setup (best
+of two repeats). The bytes-read bound (DESIGN.md 5) counts per step: all non-expert weights of the layers,
+the lm_head, the expected number of distinct experts touched (uniform routing: E(1 - (1 - k/E)^B)) times
+an expert's bytes, and the K/V bytes of the active keys (window layers read at most the window); the
+fraction is (bytes / step time) over the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import copy_bandwidth
+
+from minakv import Engine, SamplingParams
+from minakv.model import make_empty_model
+from minakv.model.config import ModelConfig
+from minakv.model.context import DenseContext
+from minakv.model.layers import RMSNorm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: only a smoke test of the script (--tiny)
+TINY = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_local_experts": 8, "vocab_size": 1024, "sliding_window": 8}  # fmt: skip
+
+
+def configs(layers: int, tiny: bool):
+    import transformers
+
+    # gpt-oss-20b's shape is transformers' default
+    hf = transformers.GptOssConfig(num_hidden_layers=layers, pad_token_id=0, **(TINY if tiny else {}))
+    d = hf.to_dict()
+    d["architectures"] = ["GptOssForCausalLM"]
+    return hf, ModelConfig.from_hf(d)
+
+
+@torch.no_grad()
+def build_ours(config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+    model = make_empty_model(config, torch.device(DEVICE), dtype)
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for p in model.parameters():
+        if id(p) in norms:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    """Halves (gate rows, then up rows) along dim 1 -> transformers' interleaved rows (gate, up, ...)."""
+    i = t.shape[1] // 2
+    return torch.stack((t[:, :i], t[:, i:]), dim=2).reshape(t.shape)
+
+
+@torch.no_grad()
+def build_hf(hf_config, ours, dtype: torch.dtype = torch.bfloat16):
+    import transformers
+
+    torch.set_default_dtype(dtype)  # parameters are created in bf16: never an fp32 copy
+    try:
+        with torch.device("meta"):
+            hf = transformers.GptOssForCausalLM(hf_config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    hf.to_empty(device=DEVICE)
+    with torch.device(DEVICE):  # buffers made on "meta" hold nothing: rebuild the rotary tables
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_config)
+    theirs = dict(hf.named_parameters())
+    done = set()
+    for name, p in ours.named_parameters():
+        if name.endswith("experts.gate_up"):
+            target, value = name + "_proj", interleave(p).transpose(1, 2)
+        elif name.endswith("experts.gate_up_bias"):
+            target, value = name.replace("gate_up_bias", "gate_up_proj_bias"), interleave(p)
+        elif name.endswith("experts.down"):
+            target, value = name + "_proj", p.transpose(1, 2)
+        elif name.endswith("experts.down_bias"):
+            target, value = name.replace("down_bias", "down_proj_bias"), p
+        else:
+            target, value = name, p
+        if not target.startswith("lm_head"):
+            target = "model." + target
+        theirs[target].copy_(value)
+        done.add(target)
+    missing = set(theirs) - done
+    assert not missing, f"transformers parameters not set: {sorted(missing)[:5]}"
+    return hf.eval()
+
+
+@torch.no_grad()
+def logits_check(ours, hf, n: int = 16) -> float:
+    ids = torch.randint(0, ours.config.vocab_size, (n,), device=DEVICE)
+    ctx = DenseContext()
+    ctx.advance(n)
+    a = ours.compute_logits(ours(ids, ctx)).double()
+    b = hf(ids[None]).logits[0].double()
+    return float((a - b).norm() / b.norm())
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def step_time(run, batch: int, n1: int, n2: int, repeats: int = 2) -> float:
+    """Seconds per decode step, by difference of two generation lengths."""
+    run(batch, n1)  # warm-up: kernels compiled, graphs captured, allocator settled
+    best = float("inf")
+    for _ in range(repeats):
+        t1 = timed(lambda: run(batch, n1))
+        t2 = timed(lambda: run(batch, n2))
+        best = min(best, (t2 - t1) / (n2 - n1))
+    return best
+
+
+def step_bytes(model, config: ModelConfig, batch: int, context: float) -> float:
+    """Fewest bytes one decode step reads (DESIGN.md 5)."""
+    e, k = config.num_experts, config.experts_per_tok
+    expert = sum(p.numel() * p.element_size() for p in model.layers[0].mlp.experts.parameters()) / e
+    other = sum(p.numel() * p.element_size() for layer in model.layers for p in layer.parameters())
+    other -= expert * e * config.num_layers
+    touched = e * (1 - (1 - k / e) ** batch)
+    lm_head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    per_key = 2 * config.num_kv_heads * config.head_dim * 2  # K and V in bf16
+    kv = sum(batch * min(context, w or context) * per_key for w in config.layer_windows)
+    return other + touched * expert * config.num_layers + lm_head + kv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--n1", type=int, default=8)
+    parser.add_argument("--n2", type=int, default=56)
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a tiny config (smoke test of the script)")
+    args = parser.parse_args()
+    out_dir = os.environ.get("OUT", ".")
+    torch.manual_seed(0)
+    bw = copy_bandwidth() if DEVICE == "cuda" else 20e9
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    hf_config, config = configs(args.layers, args.tiny)
+    t = time.perf_counter()
+    ours = build_ours(config)
+    params = sum(p.numel() for p in ours.parameters())
+    print(
+        f"minakv model: {params / 1e9:.2f} B parameters, built in {time.perf_counter() - t:.1f} s", flush=True
+    )
+    hf = None
+    if not args.no_hf:
+        t = time.perf_counter()
+        hf = build_hf(hf_config, ours)
+        impl = (hf.config._attn_implementation, getattr(hf.config, "_experts_implementation", None))
+        print(f"transformers model built in {time.perf_counter() - t:.1f} s; attention/experts: {impl}")
+        err = logits_check(ours, hf)
+        print(f"logits minakv vs transformers: rel err {err:.3e}", flush=True)
+        assert err < 0.1, "the two models disagree: weight mapping broken"
+    batches = [int(b) for b in args.batches.split(",")]
+    max_tokens = max(batches) * (args.prompt + args.n2 + 16)
+    engine = Engine(ours, page_size=16, kv_cache_tokens=max_tokens, max_num_batched_tokens=8192,
+                    max_num_seqs=max(64, max(batches)), enable_prefix_cache=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+
+    def prompts(batch: int) -> list[list[int]]:
+        return torch.randint(0, min(config.vocab_size, 200000), (batch, args.prompt), generator=gen).tolist()
+
+    def run_ours(batch: int, n: int) -> None:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        outs = engine.generate(prompts(batch), params, use_tqdm=False)
+        assert all(len(o.token_ids) == n for o in outs)
+
+    def run_hf(batch: int, n: int) -> None:
+        ids = torch.tensor(prompts(batch), device=DEVICE)
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+        assert out.shape[1] == args.prompt + n
+
+    rows = []
+    for batch in batches:
+        context = args.prompt + (args.n1 + args.n2) / 2
+        need = step_bytes(ours, config, batch, context)
+        ours_s = step_time(run_ours, batch, args.n1, args.n2)
+        graphs = engine.worker.graphs
+        row = {
+            "batch": batch, "ours_ms": ours_s * 1e3, "ours_tok_s": batch / ours_s,
+            "bound_ms": need / bw * 1e3, "bytes_per_step": need, "fraction_of_bound": need / ours_s / bw,
+            "graphs": None if graphs is None else (graphs.failure or sorted(graphs.graphs)),
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        if hf is not None:
+            hf_s = step_time(run_hf, batch, args.n1, args.n2, repeats=1)
+            row.update(hf_ms=hf_s * 1e3, hf_tok_s=batch / hf_s, speedup=hf_s / ours_s)
+            print(json.dumps(row), flush=True)
+        rows.append(row)
+    env = f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'} torch {torch.__version__}"
+    with open(os.path.join(out_dir, "e2e.json"), "w") as f:
+        json.dump(
+            {"env": env, "copy_bw": bw, "params": params, "args": vars(args), "rows": rows}, f, indent=1
+        )
+    print(
+        f"\n=== e2e decode, gpt-oss-20b shape ({args.layers} layers, {params / 1e9:.1f} B params), {env} ==="
+    )
+    print(f"prompt {args.prompt}, decode steps {args.n1}..{args.n2}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print("batch | minakv ms/step | tok/s | bound ms | of bound | HF ms/step | HF tok/s | speedup")
+    for r in rows:
+        hf_part = (
+            f"{r['hf_ms']:.2f} | {r['hf_tok_s']:.1f} | {r['speedup']:.2f}x" if "hf_ms" in r else "- | - | -"
+        )
+        print(f"{r['batch']} | {r['ours_ms']:.2f} | {r['ours_tok_s']:.1f} | {r['bound_ms']:.2f} | "
+              f"{r['fraction_of_bound']:.2f} | {hf_part}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
