@@ -175,7 +175,7 @@ def main() -> None:
     print(
         f"minakv model: {params / 1e9:.2f} B parameters, built in {time.perf_counter() - t:.1f} s", flush=True
     )
-    hf = None
+    hf, err = None, None
     if not args.no_hf:
         t = time.perf_counter()
         hf = build_hf(hf_config, ours)
