@@ -197,3 +197,27 @@ def test_random_unicode_like_tiktoken(tok: Tokenizer, tiktoken_enc):
         random_text_check(tok, tiktoken_enc, text)
 
     check()
+
+
+def test_from_dir_config_forms(tmp_path: Path):
+    """tokenizer_config.json variants seen in the wild: special tokens as {"content": ...} dicts, a list of
+    named chat templates; a chat_template.jinja file wins over both; a missing tokenizer.json is named."""
+    from minakv.model.tiny_text import minimax_tokenizer
+
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    minimax_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    config = {
+        "eos_token": {"content": "[e~[", "special": True},
+        "bos_token": "]~!b[",
+        "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.chat_template == "D" and tok.eos_token == "[e~["
+    assert tok.eos_token_ids == [tok.token_to_id("[e~[")]
+    ids = tok.encode("]~b]ai\n<think>hi</think>[e~[")
+    assert tok.decode(ids, skip_special_tokens=True) == "ai\n<think>hi</think>"  # think tags are not control
+    assert tok.encode("[e~[", allow_special=False) != [tok.token_to_id("[e~[")]
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert Tokenizer.from_dir(tmp_path).chat_template == "J"
