@@ -100,7 +100,7 @@ def test_top_k_top_p_support_and_frequencies(engine, mode):
     else:  # a nucleus that must hold exactly the 3 best tokens
         top_k, top_p = -1, float(p[0] + p[1] + p[2] / 2)
     expected = p[:3] / p[:3].sum()
-    n = 300
+    n = 200
     params = [
         SamplingParams(max_tokens=1, temperature=1.0, top_k=top_k, top_p=top_p, seed=s) for s in range(n)
     ]
