@@ -124,7 +124,9 @@ class PagedContext:
         if key not in self._cos_sin:  # one table per forward, shared by all layers
             self._cos_sin[key] = layer.rope.cos_sin(self.positions)
         cos, sin = self._cos_sin[key]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        num_heads = q.shape[1]
+        qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)  # one rotation pass for q and k (fewer kernels)
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
         k_cache, v_cache = self.k_cache[layer.index], self.v_cache[layer.index]
         k_cache[self.slots] = k.to(k_cache.dtype)
         v_cache[self.slots] = v.to(v_cache.dtype)
