@@ -18,6 +18,7 @@ history can read them again) before any other.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,8 @@ class PageIndex:
         self.exact: dict[bytes, CachedPage] = {}
         self.agnostic: dict[bytes, dict[int, CachedPage]] = {}
         self.by_page: dict[int, CachedPage] = {}
+        # LRU order (oldest first), dropped-only pages apart: eviction scans dropped pages, then the rest.
+        self.lru: dict[bool, OrderedDict[int, CachedPage]] = {True: OrderedDict(), False: OrderedDict()}
         self.clock = 0
 
     def __len__(self) -> int:
@@ -56,9 +59,14 @@ class PageIndex:
         """The pages the index holds a reference on (its view, for `PagePool.check`)."""
         return list(self.by_page)
 
-    def _touch(self, entry: CachedPage) -> None:
+    def _touch(self, entry: CachedPage, dropped: bool | None = None) -> None:
+        """Mark as most recently used (and, if given, update whether it holds only dropped tokens)."""
         self.clock += 1
         entry.last_used = self.clock
+        self.lru[entry.dropped].pop(entry.page, None)
+        if dropped is not None:
+            entry.dropped = dropped
+        self.lru[entry.dropped][entry.page] = entry
 
     def match(self, keys: Sequence[PageKey]) -> list[Match | None]:
         """Per page key: how to reuse cached KV for it, or None. Touches what it finds (LRU).
@@ -89,8 +97,7 @@ class PageIndex:
         for key, page in zip(keys, pages):
             entry = self.exact.get(key.exact)
             if entry is not None:
-                entry.dropped = key.dropped  # the latest history's view of the page
-                self._touch(entry)
+                self._touch(entry, key.dropped)  # the latest history's view of the page
                 out.append(entry.page == page)
                 continue
             if page in self.by_page:
@@ -109,17 +116,21 @@ class PageIndex:
 
     def evict(self, n: int) -> list[int]:
         """Free up to n pages nobody but the index holds: dropped-only pages first, then LRU."""
-        candidates = [e for e in self.by_page.values() if self.pool.refcount[e.page] == 1]
-        candidates.sort(key=lambda e: (not e.dropped, e.last_used))
-        freed = []
-        for entry in candidates[:n]:
-            self.remove(entry.page)
-            freed.append(entry.page)
+        freed: list[int] = []
+        for dropped in (True, False):
+            for page in self.lru[dropped]:
+                if len(freed) == n:
+                    break
+                if self.pool.refcount[page] == 1:
+                    freed.append(page)
+        for page in freed:
+            self.remove(page)
         return freed
 
     def remove(self, page: int) -> None:
         """Forget a page and let go of the index's reference (it is freed if nobody else holds it)."""
         entry = self.by_page.pop(page)
+        del self.lru[entry.dropped][page]
         del self.exact[entry.key.exact]
         versions = self.agnostic[entry.key.agnostic]
         del versions[page]
