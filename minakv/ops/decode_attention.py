@@ -94,9 +94,9 @@ def decode_attention_triton(
     if max_kv_len is None:
         max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max().item())
     if num_splits is None:
-        # Aim at ~12 programs per multiprocessor (H200 sweep: 4+ splits at batch 64 x 8k were all within 1%
-        # of the best, 1-2 were 40% slower); never give a chunk fewer than 4 blocks of keys.
-        wanted = triton.cdiv(12 * num_sms(q.device), batch * num_kv_heads)
+        # Aim at ~6 programs per multiprocessor (H200, batch 64 x 8k: 2 splits best, 1 split 40% slower,
+        # 16 splits 10% slower); never give a chunk fewer than 4 blocks of keys.
+        wanted = triton.cdiv(6 * num_sms(q.device), batch * num_kv_heads)
         num_splits = max(1, min(wanted, triton.cdiv(max_kv_len, 4 * block_n)))
     keys_per_split = triton.cdiv(triton.cdiv(max(max_kv_len, 1), num_splits), block_n) * block_n
 
