@@ -43,7 +43,8 @@ class PageKey:
     dropped: bool  # every token of the page is dropped by the end of the program (evict these first)
 
 
-def _hash(*parts: bytes) -> bytes:
+def hash_parts(*parts: bytes) -> bytes:
+    """One link of a hash chain (shared by the engine's page keys)."""
     h = hashlib.blake2b(digest_size=16)
     for part in parts:
         h.update(part)
@@ -51,7 +52,7 @@ def _hash(*parts: bytes) -> bytes:
 
 
 def root_key(page_size: int) -> bytes:
-    return _hash(b"minakv-cache-v1", np.int64(page_size).tobytes())
+    return hash_parts(b"minakv-cache-v1", np.int64(page_size).tobytes())
 
 
 def records(program: Program, token_ids: Sequence[int], lo: int, hi: int) -> np.ndarray:
@@ -90,8 +91,8 @@ def page_keys(program: Program, token_ids: Sequence[int], page_size: int) -> lis
     parent, keys = root_key(page_size), []
     for index in range(len(token_ids) // page_size):
         lo, hi = index * page_size, (index + 1) * page_size
-        agnostic = _hash(parent, records(program, token_ids, lo, hi).tobytes())
-        exact = _hash(agnostic, positions[lo:hi].tobytes())
+        agnostic = hash_parts(parent, records(program, token_ids, lo, hi).tobytes())
+        exact = hash_parts(agnostic, positions[lo:hi].tobytes())
         keys.append(
             PageKey(index, agnostic, exact, tuple(positions[lo:hi].tolist()), bool(dropped[lo:hi].all()))
         )

@@ -9,10 +9,8 @@ Eviction is the index's: pages only the index holds, dropped-only pages first, t
 
 from __future__ import annotations
 
-import hashlib
-
 from minakv.cache.index import PageIndex
-from minakv.cache.keys import PageKey
+from minakv.cache.keys import PageKey, hash_parts, root_key
 from minakv.cache.pool import PagePool
 
 
@@ -32,12 +30,9 @@ class KVCache:
         self, records: list[bytes], positions: list[int], dead: list[bool] | None = None
     ) -> list[PageKey]:
         """Chained keys of the full pages of `records` (`dead[p]`: page p holds only dropped entries)."""
-        keys, prev, ps = [], b"minakv-engine-v1", self.page_size
+        keys, prev, ps = [], hash_parts(root_key(self.page_size), b"engine-entries"), self.page_size
         for p in range(len(records) // ps):
-            h = hashlib.blake2b(prev, digest_size=16)
-            for r in records[p * ps : (p + 1) * ps]:
-                h.update(r)
-            prev = h.digest()
+            prev = hash_parts(prev, *records[p * ps : (p + 1) * ps])
             keys.append(
                 PageKey(p, prev, prev, tuple(positions[p * ps : (p + 1) * ps]), bool(dead and dead[p]))
             )
