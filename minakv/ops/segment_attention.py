@@ -11,10 +11,12 @@ each subject to the position rule of DESIGN.md 2.4: a key at position k is visib
 `0 <= p - k < window`. Sinks join the softmax denominator. Ordinary prefill is one segment per request
 with an empty context; chunked prefill gives the earlier chunks as context.
 
-The Triton kernel is flash attention over a gathered key list: one program per (query block, query head,
-segment) walks the context keys and then its causal prefix as one index range, so blocks may straddle
-the boundary. The elementwise mask is only applied to blocks that need it (diagonal, ragged edges,
-window, out-of-order positions); with a window, key blocks wholly outside it are skipped.
+The Triton kernel is flash attention over a gathered key list: `plan_segments` lays out each segment's
+keys (context, then own tokens) as one list of slots and positions, once per forward for all layers.
+One program per (query block, query head, segment) walks that list; blocks may straddle the
+context/own boundary. In-order segments (as prefill and restore make them) take the elementwise mask
+only on the diagonal and ragged blocks; with a window every block is masked and blocks wholly older than
+the window are skipped. The torch reference ignores `max_seg_len` and `plan` (hints for the kernel).
 """
 
 from __future__ import annotations
