@@ -2,10 +2,11 @@
 
     minakv generate [MODEL] [--prompt TEXT] [--max-tokens N] [--device D] [--dtype T] [--raw]
     minakv build-tiny PRESET PATH [--seed N] [--quant mxfp4|fp8]
+    minakv serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...   (see minakv serve --help)
 
 MODEL is a preset name (default tiny-gpt-oss, built on first use), a local checkpoint directory or a Hugging
 Face repo id. `generate` renders the prompt as one user message with the model's chat template (unless
---raw), decodes greedily and prints the text and the decode speed.
+--raw), runs it through the Engine greedily and prints the text and the speed.
 """
 
 from __future__ import annotations
@@ -20,28 +21,21 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+    from minakv import Engine, SamplingParams
 
-    from minakv.model import generate_greedy, load_model
-    from minakv.model.chat import render
-    from minakv.model.presets import resolve_model
-    from minakv.model.tokenizer import Tokenizer
-
-    path = resolve_model(args.model)
-    tokenizer = Tokenizer.from_dir(path)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_model(path, device=args.device, dtype=dtype)
-    if args.raw or not tokenizer.chat_template:
-        prompt_ids = tokenizer.encode(args.prompt)
+    engine = Engine(args.model, device=args.device, dtype=args.dtype)
+    tokenizer = engine.tokenizer
+    if args.raw or tokenizer is None or not tokenizer.chat_template:
+        prompt = args.prompt
     else:
-        prompt_ids = render([{"role": "user", "content": args.prompt}], tokenizer).token_ids
+        prompt = {"messages": [{"role": "user", "content": args.prompt}]}
     start = time.perf_counter()
-    out = generate_greedy(model, prompt_ids, args.max_tokens, stop_ids=tokenizer.eos_token_ids or None)
+    out = engine.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=0))[0]
     seconds = time.perf_counter() - start
-    print(tokenizer.decode(out))
+    print(out.text)
     print(
-        f"[{len(prompt_ids)} prompt tokens, {len(out)} generated in {seconds:.2f} s: "
-        f"{len(out) / max(seconds, 1e-9):.1f} tokens/s]",
+        f"[{out.usage.prompt_tokens} prompt tokens, {len(out.token_ids)} generated in {seconds:.2f} s: "
+        f"{len(out.token_ids) / max(seconds, 1e-9):.1f} tokens/s]",
         file=sys.stderr,
     )
     return 0
@@ -84,11 +78,19 @@ def make_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--quant", choices=["mxfp4", "fp8"], default=None)
     tiny.set_defaults(run=cmd_build_tiny)
 
-    # `minakv serve` is added here by the server.
+    # `serve` has its own argument parser (minakv/server/serve.py); listed here for --help
+    sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server: minakv serve MODEL [--port 8000] ...", add_help=False
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from minakv.server.serve import serve_main
+
+        return serve_main(argv[1:])
     args = make_parser().parse_args(argv)
     if getattr(args, "max_tokens", 1) < 1:
         print("minakv: error: --max-tokens must be at least 1", file=sys.stderr)
