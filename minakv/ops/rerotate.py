@@ -20,8 +20,6 @@ and writes in parallel); a token may be re-rotated in place (dst == src).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
@@ -80,8 +78,8 @@ def rerotate_copy_triton(
     n = src_slots.shape[0]
     if n == 0:
         return
-    cos_old, sin_old = _cos_sin(rope, old_pos)
-    cos_new, sin_new = _cos_sin(rope, new_pos)
+    cos_old, sin_old = rope.cos_sin(old_pos)
+    cos_new, sin_new = rope.cos_sin(new_pos)
     half = rope.rotary_dim // 2
     rest = head_dim - 2 * half
     _rerotate_kernel[(triton.cdiv(n, block_t),)](
@@ -91,19 +89,6 @@ def rerotate_copy_triton(
         HALF_PAD=triton.next_power_of_2(half), REST_PAD=triton.next_power_of_2(rest) if rest else 0,
         ROW_PAD=triton.next_power_of_2(num_kv_heads * head_dim), BLOCK_T=block_t, num_warps=num_warps,
     )  # fmt: skip
-
-
-_INV_FREQ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _cos_sin(rope: Rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`Rope.cos_sin` with its inverse frequencies kept on the device: `Rope` moves its CPU copy to the
-    device on every call, which waits for the GPU (a sync per re-rotation). Same arithmetic."""
-    per_device = _INV_FREQ.setdefault(rope, {})
-    if positions.device not in per_device:
-        per_device[positions.device] = rope.inv_freq.to(positions.device)
-    angles = positions.to(torch.float32)[:, None] * per_device[positions.device][None, :]
-    return angles.cos() * rope.attention_factor, angles.sin() * rope.attention_factor
 
 
 def _check_inputs(k_cache, v_cache, src_slots, dst_slots, old_pos, new_pos, rope) -> None:

@@ -60,9 +60,12 @@ class Rope:
     def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None = None):
         self.rotary_dim = rotary_dim
         self.inv_freq, self.attention_factor = rope_inv_freq(rotary_dim, theta, scaling)
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # a copy per device: no transfer per call
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
