@@ -55,7 +55,11 @@ def configs(layers: int, tiny: bool):
 
 @torch.no_grad()
 def build_ours(config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
-    model = make_empty_model(config, torch.device(DEVICE), dtype)
+    torch.set_default_dtype(dtype)  # parameters are created in this dtype on "meta": no fp32 copy (84 GB)
+    try:
+        model = make_empty_model(config, torch.device(DEVICE), dtype)
+    finally:
+        torch.set_default_dtype(torch.float32)
     gen = torch.Generator(DEVICE).manual_seed(0)
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     for p in model.parameters():

@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MINAKV_CACHE=$PWD/.cache/minakv
 OUT=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s \
+timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s ${TEST_ARGS:-} \
     tests/test_engine_gpu.py tests/test_moe_paths.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^$" | tail -25
 echo "tests exit: ${PIPESTATUS[0]}"
 timeout "${BENCH_LIMIT:-300}" python3 bench/e2e_decode.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -30

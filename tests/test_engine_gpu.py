@@ -6,9 +6,12 @@
    chunked prefill, a pool small enough to evict and restore) against the float64 walk oracle on CPU.
    bf16 cannot match float64 exactly, so the tolerance is *measured* in the test: the same bf16 weights,
    run by the plain dense reference (DenseContext, no paging, no kernels) on the GPU, deviate from the
-   float64 model by some amount on plain prompts; the engine may deviate by at most 4x that, plus a floor.
-   A wrong mask, position or cache entry moves logprobs by far more (order 1: the test models are made
-   sharp, see engine_helpers.tiny_model).
+   float64 model by some amount in the logprob of the best token on plain prompts; the engine may deviate
+   by at most 4x that (at least 0.02). The models are engine_helpers' sharp tiny models with their
+   matrices scaled down (x0.5 GPT-OSS, x0.35 MiniMax-M2): at full sharpness bf16 rounding alone flips
+   MoE routing and argmaxes (measured on CPU: top-1 logprob deviations 0.38 and 1.15, ~10% argmax flips),
+   which would leave nothing to test; scaled, the measured noise is ~0.013 and ~0.034 (tolerances ~0.05
+   and ~0.14), while removing three early tokens of a prompt moves logprobs by 0.06-0.55.
 
 Skipped without CUDA (CI runs them as skips; run them on a GPU with `pytest -m gpu`).
 """
@@ -104,26 +107,32 @@ def dense_logprobs(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
 
 
 def measured_bf16_noise(cpu_model, gpu_model) -> float:
-    """Largest |logprob| deviation of the bf16 GPU model (dense reference path) from float64, over the
-    top-5 tokens of each position of a few plain prompts."""
+    """Largest |logprob| deviation of the bf16 GPU model (dense reference path) from float64, of the best
+    token of each position of a few plain prompts (the test compares the logprobs of chosen tokens)."""
     rng = random.Random(0)
     worst = 0.0
     for n in (8, 30, 60):
         prompt = [rng.randrange(384) for _ in range(n)]
         ref, got = dense_logprobs(cpu_model, prompt), dense_logprobs(gpu_model, prompt)
-        top = ref.topk(5, dim=-1).indices
+        top = ref.argmax(dim=-1, keepdim=True)
         worst = max(worst, float((ref.gather(1, top) - got.gather(1, top)).abs().max()))
     return worst
+
+
+SOFTEN = {"gpt_oss": 0.5, "minimax_m2": 0.35}  # matrix scale that keeps the tiny models non-chaotic in bf16
 
 
 @pytest.fixture(scope="module", params=["gpt_oss", "minimax_m2"])
 def models(request):
     cpu = tiny_model(request.param)  # float64
+    for name, p in cpu.named_parameters():
+        if p.ndim >= 2 and "embed" not in name:
+            p.data.mul_(SOFTEN[request.param])
     gpu = bf16_copy(cpu)
     noise = measured_bf16_noise(cpu, gpu)
     tol = max(4 * noise, 0.02)
     print(f"{request.param}: bf16 dense-reference noise {noise:.4f} -> logprob tolerance {tol:.4f}")
-    assert tol < 0.5, "bf16 noise this large would make the comparison meaningless"
+    assert tol < 0.25, "bf16 noise this large would make the comparison meaningless"
     return cpu, gpu, tol
 
 
