@@ -4,7 +4,7 @@ transformers' `generate` on the same weights, in the same process (issue 6, acce
     PYTHONUNBUFFERED=1 python bench/e2e_decode.py [--layers 24] [--batches 1,32] [--prompt 128]
 
 Shape: 24 layers, hidden 2880, 64 query / 8 KV heads of 64, 32 experts top-4 (intermediate 2880), vocab
-201088, window 128 on even layers: transformers' GptOssConfig defaults. Our weights are drawn on the GPU
+201088, window 128 on even layers (transformers' GptOssConfig defaults, but 32 experts). Our weights are drawn on the GPU
 (normal(0, 0.02), norms 1) and copied into transformers' layout (gate/up interleaved, [in, out]); a logits
 check on one prompt confirms the two models compute the same function before anything is timed.
 
@@ -40,14 +40,16 @@ from minakv.model.layers import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: only a smoke test of the script (--tiny)
 TINY = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "num_local_experts": 8, "vocab_size": 1024, "sliding_window": 8}  # fmt: skip
+            "vocab_size": 1024, "sliding_window": 8}  # fmt: skip
 
 
 def configs(layers: int, tiny: bool):
     import transformers
 
-    # gpt-oss-20b's shape is transformers' default
-    hf = transformers.GptOssConfig(num_hidden_layers=layers, pad_token_id=0, **(TINY if tiny else {}))
+    shape = TINY if tiny else {}
+    hf = transformers.GptOssConfig(  # (its defaults have 120b's 128 experts)
+        num_hidden_layers=layers, num_local_experts=32, num_experts_per_tok=4, pad_token_id=0, **shape
+    )
     d = hf.to_dict()
     d["architectures"] = ["GptOssForCausalLM"]
     return hf, ModelConfig.from_hf(d)
