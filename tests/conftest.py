@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # before anything imports Triton: kernels run in its CPU interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 _OWN_CACHE: str | None = None
 
 
