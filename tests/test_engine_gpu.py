@@ -4,14 +4,15 @@
    lengths, one batch), with CUDA graphs on and off.
 2. bf16 on the GPU: random drop/reposition programs (as in test_engine_walk.py, at page sizes 1, 16 and 7,
    chunked prefill, a pool small enough to evict and restore) against the float64 walk oracle on CPU.
-   bf16 cannot match float64 exactly, so the tolerance is *measured* in the test: the same bf16 weights,
-   run by the plain dense reference (DenseContext, no paging, no kernels) on the GPU, deviate from the
-   float64 model by some amount in the logprob of the best token on plain prompts; the engine may deviate
-   by at most 4x that (at least 0.02). The models are engine_helpers' sharp tiny models with their
-   matrices scaled down (x0.5 GPT-OSS, x0.35 MiniMax-M2): at full sharpness bf16 rounding alone flips
-   MoE routing and argmaxes (measured on CPU: top-1 logprob deviations 0.38 and 1.15, ~10% argmax flips),
-   which would leave nothing to test; scaled, the measured noise is ~0.013 and ~0.034 (tolerances ~0.05
-   and ~0.14), while removing three early tokens of a prompt moves logprobs by 0.06-0.55.
+   bf16 cannot match float64 exactly, and its error is heavy-tailed (a rounding can flip an MoE routing
+   choice), so the tolerance is measured per program: the walk oracle itself, run with the same bf16
+   weights (on CPU), deviates from the float64 oracle by some amount on the chosen tokens' logprobs; the
+   engine may deviate by at most 2x that plus 0.02 (kernel accumulation order, re-rotation rounding), and
+   its greedy choice must be within that of the bf16 oracle's best. A wrong mask, position or cache entry
+   moves logprobs by 0.06-0.55 here (measured: removing three early tokens of a prompt), far beyond the
+   bf16 noise of a correct computation (~0.01-0.1). The models are engine_helpers' sharp tiny models with
+   their matrices scaled down (x0.5 GPT-OSS, x0.35 MiniMax-M2): at full sharpness bf16 rounding alone
+   flips argmaxes at ~10% of positions (measured on CPU), which would leave nothing to test.
 
 Skipped without CUDA (CI runs them as skips; run them on a GPU with `pytest -m gpu`).
 """
@@ -30,11 +31,10 @@ pytestmark = [
 ]
 
 from engine_helpers import compiles, oracle_run, programs, tiny_model
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from minakv import Engine, SamplingParams
-from minakv.model.context import DenseContext
 
 PRESETS = ["tiny-gpt-oss", "tiny-minimax-m2"]
 ENGINE_SHAPES = {  # page size, chunk budget, pool tokens (as in test_engine_walk.py)
@@ -42,6 +42,7 @@ ENGINE_SHAPES = {  # page size, chunk budget, pool tokens (as in test_engine_wal
     "page16-chunked": {"page_size": 16, "max_num_batched_tokens": 7, "kv_cache_tokens": 4096},
     "page7-small-pool": {"page_size": 7, "max_num_batched_tokens": 13, "kv_cache_tokens": 140},
 }
+GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
 NEAR_TIE = 1e-4  # float32 CPU vs GPU: logits agree to ~1e-5 here, so only closer calls may flip
 
 
@@ -86,39 +87,23 @@ def assert_same_greedy(want, got, near_tie: float, lp_tol: float, label) -> None
         assert abs(want.logprobs[j].logprob - got.logprobs[j].logprob) < lp_tol, (label, j)
 
 
-def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """The float64 CPU model as bf16 on the GPU, keeping the parameters transformers keeps in fp32."""
+def bf16_copy(model: torch.nn.Module, device: str = "cuda") -> torch.nn.Module:
+    """The float64 CPU model in bf16, keeping the parameters transformers keeps in fp32."""
     keep = {id(p) for p in model.fp32_parameters()}
     gpu = copy.deepcopy(model)
     for p_cpu, p in zip(model.parameters(), gpu.parameters()):
-        p.data = p_cpu.data.to("cuda", torch.float32 if id(p_cpu) in keep else torch.bfloat16)
+        p.data = p_cpu.data.to(device, torch.float32 if id(p_cpu) in keep else torch.bfloat16)
     gpu.tie_weights()
     return gpu
 
 
-def dense_logprobs(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    """log_softmax of every position's next-token logits, one dense forward (float64 out)."""
-    device = model.embed_tokens.weight.device
-    ctx = DenseContext()
-    ctx.advance(len(prompt))
-    with torch.inference_mode():
-        hidden = model(torch.tensor(prompt, device=device), ctx)
-        return torch.log_softmax(model.compute_logits(hidden).double().cpu(), dim=-1)
+def chosen_rows(model, segments, cache, out) -> torch.Tensor:
+    """float64 log-softmax rows of the walk oracle (run with `model`), forced along the engine's tokens."""
+    run = oracle_run(model, segments, cache, out.token_ids)
+    return torch.log_softmax(run.logits[len(run.logits) - len(out.token_ids) - 1 : -1].double(), dim=-1)
 
 
-def measured_bf16_noise(cpu_model, gpu_model) -> float:
-    """Largest |logprob| deviation of the bf16 GPU model (dense reference path) from float64, of the best
-    token of each position of a few plain prompts (the test compares the logprobs of chosen tokens)."""
-    rng = random.Random(0)
-    worst = 0.0
-    for n in (8, 30, 60):
-        prompt = [rng.randrange(384) for _ in range(n)]
-        ref, got = dense_logprobs(cpu_model, prompt), dense_logprobs(gpu_model, prompt)
-        top = ref.argmax(dim=-1, keepdim=True)
-        worst = max(worst, float((ref.gather(1, top) - got.gather(1, top)).abs().max()))
-    return worst
-
-
+NO_SHRINK = [Phase.explicit, Phase.reuse, Phase.generate]
 SOFTEN = {"gpt_oss": 0.5, "minimax_m2": 0.35}  # matrix scale that keeps the tiny models non-chaotic in bf16
 
 
@@ -128,12 +113,7 @@ def models(request):
     for name, p in cpu.named_parameters():
         if p.ndim >= 2 and "embed" not in name:
             p.data.mul_(SOFTEN[request.param])
-    gpu = bf16_copy(cpu)
-    noise = measured_bf16_noise(cpu, gpu)
-    tol = max(4 * noise, 0.02)
-    print(f"{request.param}: bf16 dense-reference noise {noise:.4f} -> logprob tolerance {tol:.4f}")
-    assert tol < 0.25, "bf16 noise this large would make the comparison meaningless"
-    return cpu, gpu, tol
+    return cpu, bf16_copy(cpu), bf16_copy(cpu, "cpu")
 
 
 @pytest.fixture(scope="module", params=list(ENGINE_SHAPES))
@@ -144,42 +124,45 @@ def engine(request, models):
     assert engine.stats()["running"] == 0
 
 
-def assert_close_to_oracle(cpu_model, segments, cache, out, tol: float) -> None:
-    """Forced along the engine's tokens, the float64 oracle gives each chosen token (nearly) the best
-    logprob, and the engine's logprob of it is within `tol` of the oracle's."""
-    run = oracle_run(cpu_model, segments, cache, out.token_ids)
-    rows = torch.log_softmax(run.logits[len(run.logits) - len(out.token_ids) - 1 : -1].double(), dim=-1)
-    for j, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-        best = float(rows[j].max())
-        assert float(rows[j, token]) > best - 2 * tol, (
-            f"step {j}: token {token} is far from the oracle's best"
-        )
-        assert abs(lp.logprob - float(rows[j, token])) < tol, (j, lp.logprob, float(rows[j, token]), tol)
+def assert_close_to_oracle(models, segments, cache, out) -> float:
+    """The engine's logprobs of its tokens are as close to the float64 oracle's as the bf16 oracle's are
+    (2x + 0.02), and each greedy choice is within that of the bf16 oracle's best. Returns the deviation."""
+    cpu64, _, cpu16 = models
+    r64, r16 = chosen_rows(cpu64, segments, cache, out), chosen_rows(cpu16, segments, cache, out)
+    tokens = torch.tensor(out.token_ids)[:, None]
+    ours = torch.tensor([lp.logprob for lp in out.logprobs], dtype=torch.float64)
+    noise = float((r16.gather(1, tokens) - r64.gather(1, tokens)).abs().max())
+    tol = 2 * noise + 0.02
+    dev = float((ours - r64.gather(1, tokens)[:, 0]).abs().max())
+    short = float((r16.max(dim=1).values - r16.gather(1, tokens)[:, 0]).max())
+    assert dev <= tol and short <= tol, (
+        f"deviation {dev:.4f}, bf16 noise {noise:.4f}, shortfall {short:.4f}",
+        cache,
+    )
+    return dev
 
 
-GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
-
-
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+# no shrinking: on a GPU run, report the first failing program as drawn rather than spend minutes minimising
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), phases=NO_SHRINK)
 @given(data=programs(), seed=st.integers(0, 2**16))
 def test_bf16_random_programs_match_the_walk(engine, models, data, seed):
-    cpu_model, _, tol = models
     segments, cache = data
     if not compiles(segments, cache):
         return
     rng = random.Random(seed)
     others = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(2)]
     outs = engine.generate([others[0], {"segments": segments, "cache": cache}, others[1]], GREEDY)
-    assert_close_to_oracle(cpu_model, segments, cache, outs[1], tol)
+    assert_close_to_oracle(models, segments, cache, outs[1])
     again = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
-    assert_close_to_oracle(cpu_model, segments, cache, again, tol)
+    assert_close_to_oracle(models, segments, cache, again)
     engine.check()
 
 
 def test_bf16_decode_graphs_match_eager(models, monkeypatch):
     """The same batch decoded with and without CUDA graphs gives the same tokens and logprobs (up to bf16
-    GEMMs picking other tilings for the padded batch of the graph: within the measured tolerance)."""
-    _, gpu_model, tol = models
+    GEMMs picking other tilings for the padded batch of the graph: within 0.05)."""
+    _, gpu_model, _ = models
+    tol = 0.05
     rng = random.Random(1)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(3, 40))] for _ in range(5)]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
