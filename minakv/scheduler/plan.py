@@ -38,6 +38,8 @@ class Plan:
     entries: list[Entry] = field(default_factory=list)
     records: list[bytes] = field(default_factory=list)  # one per entry, for page keys
     segment_keys: list[list[int]] = field(default_factory=list)  # per segment: outside entries it reads
+    segment_start: list[int] = field(default_factory=list)  # per segment: its first entry
+    last_entry: int = -1  # the entry of the last token: its logits give the next token
     final_keys: list[int] = field(default_factory=list)  # entries the first generated token reads
     final_digest: bytes = b""  # events so far, for records of decode entries
     num_skipped: int = 0  # tokens never computed because no query reads them
@@ -113,7 +115,9 @@ def plan_request(program: Program, token_ids: list[int]) -> Plan:
             segment = len(plan.segment_keys)
             keys, _ = program.active_before(t)
             plan.segment_keys.append([current[int(k)] for k in keys if int(k) in current])
+            plan.segment_start.append(len(plan.entries))
         add(Entry(t, int(births[t]), segment=segment), t)
+    plan.last_entry = current[n - 1]  # its born entry (a reposition right after may copy it)
     if n in cuts:
         enter(n)
     final = program.final_active.tolist() + list(range(program.num_tokens, n))

@@ -54,10 +54,7 @@ class Request:
     pages: list[int] = field(default_factory=list)  # physical pages holding the entries, in order
     num_done: int = 0  # entries whose K/V exist (cached or computed)
     decode_keys: list[int] = field(default_factory=list)  # entries the next generated token reads
-    segment_start: list[int] = field(default_factory=list)  # first entry of each segment
-    last_prompt_entry: int = 0  # entry of the last fed token: its logits give the next token
     next_pos: int = 0  # position of the next generated token
-    num_fed: int = 0  # tokens whose entries are planned (prompt, then each fed output token)
     error: str | None = None
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)

@@ -32,8 +32,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.released: list[str] = []  # finished request ids whose sampler state the worker can drop
-        self.counters = dict(requests=0, prompt_tokens=0, output_tokens=0, cache_hit_tokens=0, preemptions=0,
-                             decode_tokens=0, decode_kv_entries=0, errors=0)  # fmt: skip
+        names = ("requests", "prompt_tokens", "output_tokens", "cache_hit_tokens", "preemptions", "decode_tokens",
+                 "decode_kv_entries", "errors")  # fmt: skip
+        self.counters = dict.fromkeys(names, 0)
         k = worker.k_cache
         self.kv_bytes_per_entry = 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
 
@@ -93,7 +94,6 @@ class Scheduler:
             r.num_done = end
             if not samples:
                 continue
-            r.num_fed = len(r.all_ids)
             token, logprob = result.tokens[row], result.logprobs[row]
             row += 1
             self.counters["output_tokens"] += 1
@@ -142,10 +142,10 @@ class Scheduler:
                 batch.slots.append(self._slot(r, e))
                 e += 1
             # the segment's outside keys, plus its own members computed in earlier steps
-            outside = r.plan.segment_keys[seg] + list(range(r.segment_start[seg], piece))
+            outside = r.plan.segment_keys[seg] + list(range(r.plan.segment_start[seg], piece))
             batch.add_keys([(self._slot(r, k), r.entries[k].position) for k in outside])
             batch.seg_q_indptr.append(batch.num_tokens - batch.num_decode)
-            if e - 1 == r.last_prompt_entry:
+            if e - 1 == r.plan.last_entry:
                 samples = True
                 self._sample_last(batch, r)
         return e, e - start, samples
@@ -176,7 +176,7 @@ class Scheduler:
             r = self.waiting[0]
             if r.plan is None:
                 self._plan(r)
-            matched = self.kv.match(r.page_keys[: r.last_prompt_entry // self.page_size])
+            matched = self.kv.match(r.page_keys[: r.plan.last_entry // self.page_size])
             need = -(-len(r.entries) // self.page_size) - len(matched) + 1  # +1: room to decode
             if need > self.kv.available(matched):
                 if self.running:
@@ -207,14 +207,7 @@ class Scheduler:
         r.page_keys = self.kv.keys(r.records, [e.position for e in r.entries])
         r.decode_keys = list(plan.final_keys)
         r.next_pos = int(r.program.birth_positions([len(tokens)])[0])
-        r.segment_start = [0] * len(plan.segment_keys)
-        for i in reversed(range(len(r.entries))):
-            if not r.entries[i].is_copy:
-                r.segment_start[r.entries[i].segment] = i
-        r.last_prompt_entry = next(i for i, e in enumerate(r.entries) if e.token_index == len(tokens) - 1)
-        r.usage.drop_skipped_tokens = sum(1 for _ in range(r.num_prompt)) - len(
-            {e.token_index for e in r.entries if e.token_index < r.num_prompt}
-        )
+        r.usage.drop_skipped_tokens = plan.num_skipped
 
     def _release(self, r: Request) -> None:
         """Publish r's computed full pages to the cache and drop r's hold on all its pages."""
