@@ -11,6 +11,7 @@ the scheduler through an inbox, so the scheduler itself is only ever touched by 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -28,6 +29,9 @@ from minakv.sampling import RequestOutput, SamplingParams
 from minakv.scheduler.request import Request
 from minakv.scheduler.scheduler import Scheduler
 from minakv.scheduler.worker import Worker, kv_bytes_per_token
+
+
+logger = logging.getLogger(__name__)
 
 
 class Overloaded(RuntimeError):
@@ -205,7 +209,8 @@ class Engine:
                 continue
             try:
                 changed = self.scheduler.step()
-            except Exception as exc:  # never leave streams hanging: fail them all, keep serving
+            except Exception as exc:  # noqa: BLE001 - never leave streams hanging: fail them, keep serving
+                logger.exception("engine step failed; failing the running requests")
                 changed = self.scheduler.fail_all(f"internal error: {exc!r}")
             for r in changed:
                 with self._lock:

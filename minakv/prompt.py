@@ -42,7 +42,8 @@ def tokens_and_owners(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int
         ids = _token_list(prompt, "prompt", vocab_size)
         return ids, [0] * len(ids), 1, {}
     if not isinstance(prompt, dict):
-        raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        # ValueError, not TypeError: every bad-input error the engine raises is a ValueError (HTTP 400)
+        raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")  # noqa: TRY004
     cache = prompt.get("cache") or {}
     if not isinstance(cache, dict) or set(cache) - {"drop", "reposition"}:
         raise ValueError(f"cache must be an object with optional 'drop' and 'reposition', got {cache!r}")
