@@ -30,7 +30,6 @@ from minakv.scheduler.request import Request
 from minakv.scheduler.scheduler import Scheduler
 from minakv.scheduler.worker import Worker, kv_bytes_per_token
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -209,7 +208,7 @@ class Engine:
                 continue
             try:
                 changed = self.scheduler.step()
-            except Exception as exc:  # noqa: BLE001 - never leave streams hanging: fail them, keep serving
+            except Exception as exc:
                 logger.exception("engine step failed; failing the running requests")
                 changed = self.scheduler.fail_all(f"internal error: {exc!r}")
             for r in changed:

@@ -15,9 +15,9 @@ from minakv import Engine, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
 ENGINE_SHAPES = {  # page size, chunk budget, pool tokens
-    "page1": dict(page_size=1, max_num_batched_tokens=512, kv_cache_tokens=4096),
-    "page16-chunked": dict(page_size=16, max_num_batched_tokens=7, kv_cache_tokens=4096),
-    "page7-small-pool": dict(page_size=7, max_num_batched_tokens=13, kv_cache_tokens=140),
+    "page1": {"page_size": 1, "max_num_batched_tokens": 512, "kv_cache_tokens": 4096},
+    "page16-chunked": {"page_size": 16, "max_num_batched_tokens": 7, "kv_cache_tokens": 4096},
+    "page7-small-pool": {"page_size": 7, "max_num_batched_tokens": 13, "kv_cache_tokens": 140},
 }
 
 
