@@ -53,7 +53,9 @@ def test_random_programs_match_the_walk(engine, model, data, seed):
     # the same request again, alone: served from the cache (when it fits) and still exact
     again = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
     assert again.token_ids == outs[1].token_ids
-    assert [x.logprob for x in again.logprobs] == pytest.approx([x.logprob for x in outs[1].logprobs], abs=1e-6)
+    assert [x.logprob for x in again.logprobs] == pytest.approx(
+        [x.logprob for x in outs[1].logprobs], abs=1e-6
+    )
     engine.check()
 
 
