@@ -20,7 +20,8 @@ import torch
 from minakv.model.context import AttentionLayer
 from minakv.ops.decode_attention import decode_attention
 from minakv.ops.rope import apply_rope
-from minakv.ops.segment_attention import segment_attention
+from minakv.ops.segment_attention import plan_segments, segment_attention
+from minakv.ops.triton_util import use_triton
 from minakv.sampling import SamplingParams
 
 
@@ -116,6 +117,7 @@ class PagedContext:
         )
         self.decode_keys, self.max_kv_len, self.max_seg_len = decode_keys, max_kv_len, max_seg_len
         self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._segments = None  # (segment metadata, kernel plan), built on first use and shared by all layers
 
     def attend(
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -138,12 +140,31 @@ class PagedContext:
                 self.positions[:b], layer.scale, layer.window, layer.sinks, max_kv_len=self.max_kv_len,
             )  # fmt: skip
         if q.shape[0] > b:
-            n = self.decode_keys
+            if self._segments is None:
+                self._segments = self._segment_metadata(q)
+            (q_pos, q_slots, seg_kv_indptr, kv_slots, kv_pos), plan = self._segments
             segments = segment_attention(
-                q[b:], k_cache, v_cache, self.positions[b:], self.slots[b:], self.seg_q_indptr,
-                self.kv_indptr[b:] - n, self.kv_slots[n:], self.kv_pos[n:], layer.scale, layer.window,
-                layer.sinks, max_seg_len=self.max_seg_len,
+                q[b:], k_cache, v_cache, q_pos, q_slots, self.seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos,
+                layer.scale, layer.window, layer.sinks, max_seg_len=self.max_seg_len, plan=plan,
             )  # fmt: skip
         if segments is None:
             return decode
         return segments if decode is None else torch.cat([decode, segments])
+
+    def _segment_metadata(self, q: torch.Tensor):
+        """The segments' tensors (their key lists follow the decode queries' keys) and, for the Triton
+        kernel, its per-forward plan: built once, shared by all layers."""
+        b, n = self.num_decode, self.decode_keys
+        meta = (
+            self.positions[b:],
+            self.slots[b:],
+            self.kv_indptr[b:] - n,
+            self.kv_slots[n:],
+            self.kv_pos[n:],
+        )
+        plan = (
+            plan_segments(*meta[:2], self.seg_q_indptr, *meta[2:], self.max_seg_len)
+            if use_triton(q)
+            else None
+        )
+        return meta, plan

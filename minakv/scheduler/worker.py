@@ -52,8 +52,6 @@ class Worker:
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.generators: dict[str, torch.Generator] = {}
-        # cos/sin tables are computed on the tokens' device: keep the frequencies there (no copy per step)
-        model.rope.inv_freq = model.rope.inv_freq.to(device)
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("MINAKV_CUDA_GRAPHS", "1") != "0"
         self.graphs = (
