@@ -102,6 +102,27 @@ def test_eviction_and_restore_between_rounds(model):
     engine.check()
 
 
+def test_restore_around_an_evicted_dropped_message(model):
+    """The pages of a dropped tool result are evicted first; re-sending the history reuses the pages after
+    the hole and recomputes only the last page: the dropped message is read by no query that still runs."""
+    rng = random.Random(9)
+    engine = Engine(model, page_size=4, kv_cache_tokens=256)
+    segments = [[rng.randrange(384) for _ in range(8)] for _ in range(4)]  # 8 tokens = 2 pages each
+    cache = {"drop": {"2": [1]}}  # message 1 is read by message 2, then dropped
+    first = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
+    index = engine.scheduler.kv.index
+    dropped_pages = {e.page for e in index.by_page.values() if e.dropped}
+    assert len(dropped_pages) == 2
+    assert set(index.evict(2)) == dropped_pages  # dropped-only pages go first
+    before = engine.stats()["prefill_tokens"]
+    second = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
+    assert engine.stats()["prefill_tokens"] - before == 4  # the page holding the last token, nothing else
+    assert second.usage.cached_tokens == 32 - 8 - 4  # all but the dropped message and the last page
+    assert second.token_ids == first.token_ids
+    assert_matches_oracle(model, segments, cache, second)
+    engine.check()
+
+
 def test_preemption_recomputes_exactly(model):
     """More decode growth than the pool holds: requests are preempted and recomputed, outputs unchanged."""
     rng = random.Random(5)

@@ -38,15 +38,12 @@ class KVCache:
             )
         return keys
 
-    def match(self, keys: list[PageKey]) -> list[int]:
-        """Pages for the longest cached prefix of `keys` (exact matches only)."""
-        pages = []
-        if self.enabled:
-            for m in self.index.match(keys):
-                if m is None or m.kind != "exact":
-                    break
-                pages.append(m.page)
-        return pages
+    def match(self, keys: list[PageKey]) -> list[int | None]:
+        """Per key, the cached page with exactly that content, or None. It does not stop at a missing
+        page: an evicted page leaves a hole and the pages after it still match."""
+        if not self.enabled:
+            return [None] * len(keys)
+        return [m.page if m is not None and m.kind == "exact" else None for m in self.index.match(keys)]
 
     def available(self, exclude: list[int] = ()) -> int:
         """Pages a request could get now: free ones plus evictable cached ones not in `exclude`."""
@@ -65,10 +62,11 @@ class KVCache:
                 return None
         return self.pool.allocate(1)[0]
 
-    def release(self, pages: list[int], keys: list[PageKey]) -> None:
-        """A request lets go of `pages`; the first len(keys) are complete and are offered to the index."""
-        if self.enabled and keys:
-            self.index.insert(keys, pages[: len(keys)])
+    def release(self, pages: list[int], publish: dict[int, PageKey | None]) -> None:
+        """A request lets go of `pages`; those with a key in `publish` are complete and go to the index."""
+        offered = [(key, page) for page, key in publish.items() if key is not None]
+        if self.enabled and offered:
+            self.index.insert([k for k, _ in offered], [p for _, p in offered])
         self.pool.decref(pages)
 
     def check(self, holders: list[list[int]]) -> None:

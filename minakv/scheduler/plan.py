@@ -124,3 +124,30 @@ def plan_request(program: Program, token_ids: list[int]) -> Plan:
     plan.final_keys = [current[t] for t in final if t in current]
     plan.final_digest = digest
     return plan
+
+
+def entries_to_compute(plan: Plan, have: list[bool]) -> list[int]:
+    """Which entries to compute when the `have` ones are cached (DESIGN.md 3.3): the last token's entry and
+    those the first generated token reads, plus, transitively, everything a computed entry reads (its
+    segment's outside keys and earlier members; a copy's source). Reads only go backwards, so one reverse
+    pass settles it. An evicted entry nobody reads (typically a dropped one) is not recomputed."""
+    needed = [False] * len(plan.entries)
+    needed[plan.last_entry] = True
+    for e in plan.final_keys:
+        needed[e] = True
+    reading: set[int] = set()  # segments with a computed member: their earlier members are read
+    todo = []
+    for e in range(len(plan.entries) - 1, -1, -1):
+        entry = plan.entries[e]
+        if entry.segment in reading and not entry.is_copy:
+            needed[e] = True
+        if not needed[e] or have[e]:
+            continue
+        todo.append(e)
+        if entry.is_copy:
+            needed[entry.source] = True
+        elif entry.segment not in reading:
+            reading.add(entry.segment)
+            for k in plan.segment_keys[entry.segment]:
+                needed[k] = True
+    return todo[::-1]

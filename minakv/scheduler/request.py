@@ -52,7 +52,9 @@ class Request:
     records: list[bytes] = field(default_factory=list)  # one per entry, for page keys
     page_keys: list[bytes] = field(default_factory=list)  # key of each full page of planned entries
     pages: list[int] = field(default_factory=list)  # physical pages holding the entries, in order
-    num_done: int = 0  # entries whose K/V exist (cached or computed)
+    todo: list[int] = field(default_factory=list)  # entries to compute (not cached), in order
+    cursor: int = 0  # todo[:cursor] are computed
+    incomplete: set[int] = field(default_factory=set)  # pages with entries nobody reads, left uncomputed
     decode_keys: list[int] = field(default_factory=list)  # entries the next generated token reads
     next_pos: int = 0  # position of the next generated token
     error: str | None = None

@@ -15,7 +15,7 @@ from collections import deque
 from minakv.config import EngineConfig
 from minakv.scheduler.batch import ForwardBatch
 from minakv.scheduler.kvcache import KVCache
-from minakv.scheduler.plan import Entry, plan_request, record
+from minakv.scheduler.plan import Entry, entries_to_compute, plan_request, record
 from minakv.scheduler.request import Request, Status
 from minakv.scheduler.stops import apply_token
 from minakv.scheduler.worker import Worker
@@ -32,8 +32,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.released: list[str] = []  # finished request ids whose sampler state the worker can drop
-        names = ("requests", "prompt_tokens", "output_tokens", "cache_hit_tokens", "preemptions", "decode_tokens",
-                 "decode_kv_entries", "errors")  # fmt: skip
+        names = ("requests", "prompt_tokens", "output_tokens", "cache_hit_tokens", "prefill_tokens",
+                 "preemptions", "decode_tokens", "decode_kv_entries", "errors")  # fmt: skip
         self.counters = dict.fromkeys(names, 0)
         k = worker.k_cache
         self.kv_bytes_per_entry = 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
@@ -69,29 +69,30 @@ class Scheduler:
     # ----- one step -----
     def step(self) -> list[Request]:
         changed = self._admit()
-        decoding = [r for r in self.running if r.num_done == len(r.entries)]
+        decoding = [r for r in self.running if r.cursor == len(r.todo)]
         for r in decoding:  # reserve decode pages first: this may preempt the youngest requests
             if r.status is Status.RUNNING:
                 self._ensure_pages(r, len(r.entries) + 1)
         batch = ForwardBatch()
-        scheduled: list[tuple[Request, int, bool]] = []  # (request, entries done after the step, samples)
+        scheduled: list[tuple[Request, int, bool]] = []  # (request, cursor after the step, samples)
         for r in decoding:
             if r.status is Status.RUNNING:
                 self._schedule_decode(r, batch)
-                scheduled.append((r, len(r.entries), True))
+                scheduled.append((r, r.cursor, True))
         budget = self.config.max_num_batched_tokens - batch.num_tokens
         for r in self.running:
             if budget <= 0:
                 break
-            if r.num_done < len(r.entries) and r not in decoding:
+            if r.cursor < len(r.todo) and r not in decoding:
                 end, computed, samples = self._schedule_prefill(r, batch, budget)
                 budget -= computed
+                self.counters["prefill_tokens"] += computed
                 scheduled.append((r, end, samples))
         batch.release_ids, self.released = self.released, []
         result = self.worker.step(batch)
         row = 0
-        for r, end, samples in scheduled:
-            r.num_done = end
+        for r, cursor, samples in scheduled:
+            r.cursor = cursor
             if not samples:
                 continue
             token, logprob = result.tokens[row], result.logprobs[row]
@@ -120,35 +121,36 @@ class Scheduler:
         self.counters["decode_kv_entries"] += len(r.decode_keys)
 
     def _schedule_prefill(self, r: Request, batch: ForwardBatch, budget: int) -> tuple[int, int, bool]:
-        """Copies first (re-rotations run before the forward), then computed tokens up to the budget,
-        stopping before the next copy (its source may be computed in this very batch).
-        Returns (entries done after the step, tokens computed, whether a token is sampled)."""
-        e = r.num_done
-        while e < len(r.entries) and r.entries[e].is_copy:
-            entry = r.entries[e]
-            src = r.entries[entry.source]
-            values = (self._slot(r, entry.source), self._slot(r, e), src.position, entry.position)
+        """The next entries to compute: copies first (re-rotations run before the forward), then computed
+        tokens up to the budget, stopping before the next copy (its source may be computed in this very
+        batch). A piece of queries is a run of consecutive entries of one segment; cached entries between
+        them (a restore around holes) split pieces. Returns (new cursor, tokens computed, samples?)."""
+        todo, entries, i = r.todo, r.entries, r.cursor
+        while i < len(todo) and entries[todo[i]].is_copy:
+            e = todo[i]
+            src = entries[entries[e].source]
+            values = (self._slot(r, entries[e].source), self._slot(r, e), src.position, entries[e].position)
             for column, value in zip(batch.rerotate, values):
                 column.append(value)
             r.usage.repos_tokens += 1
-            e += 1
-        start, samples = e, False
-        while e < len(r.entries) and not r.entries[e].is_copy and e - start < budget:
-            seg, piece = r.entries[e].segment, e
-            while e < len(r.entries) and r.entries[e].segment == seg and e - start < budget:
-                entry = r.entries[e]
-                batch.input_ids.append(r.all_ids[entry.token_index])
-                batch.positions.append(entry.position)
+            i += 1
+        start, samples = i, False
+        while i < len(todo) and not entries[todo[i]].is_copy and i - start < budget:
+            first = e = todo[i]
+            seg = entries[e].segment
+            while i < len(todo) and todo[i] == e and entries[e].segment == seg and i - start < budget:
+                batch.input_ids.append(r.all_ids[entries[e].token_index])
+                batch.positions.append(entries[e].position)
                 batch.slots.append(self._slot(r, e))
-                e += 1
-            # the segment's outside keys, plus its own members computed in earlier steps
-            outside = r.plan.segment_keys[seg] + list(range(r.plan.segment_start[seg], piece))
-            batch.add_keys([(self._slot(r, k), r.entries[k].position) for k in outside])
+                i, e = i + 1, e + 1
+            # the segment's outside keys, plus its members before this piece (cached or computed earlier)
+            outside = r.plan.segment_keys[seg] + list(range(r.plan.segment_start[seg], first))
+            batch.add_keys([(self._slot(r, k), entries[k].position) for k in outside])
             batch.seg_q_indptr.append(batch.num_tokens - batch.num_decode)
             if e - 1 == r.plan.last_entry:
                 samples = True
                 self._sample_last(batch, r)
-        return e, e - start, samples
+        return i, i - start, samples
 
     @staticmethod
     def _sample_last(batch: ForwardBatch, r: Request) -> None:
@@ -161,14 +163,16 @@ class Scheduler:
 
     # ----- memory -----
     def _ensure_pages(self, r: Request, num_entries: int) -> None:
-        """Give r pages for `num_entries` entries, evicting cached pages and, if that is not enough,
-        preempting the youngest running requests (possibly r itself)."""
+        """Give r pages for `num_entries` entries (and for pages not taken from the cache), evicting
+        cached pages and, if that is not enough, preempting the youngest running requests (possibly r)."""
         while r.status is Status.RUNNING and len(r.pages) * self.page_size < num_entries:
+            r.pages.append(-1)
+        while r.status is Status.RUNNING and -1 in r.pages:
             page = self.kv.allocate()
-            if page is not None:
-                r.pages.append(page)
-            else:
+            if page is None:
                 self._preempt(self.running[-1])
+            else:
+                r.pages[r.pages.index(-1)] = page
 
     def _admit(self) -> list[Request]:
         failed = []
@@ -176,8 +180,11 @@ class Scheduler:
             r = self.waiting[0]
             if r.plan is None:
                 self._plan(r)
-            matched = self.kv.match(r.page_keys[: r.plan.last_entry // self.page_size])
-            need = -(-len(r.entries) // self.page_size) - len(matched) + 1  # +1: room to decode
+            ps = self.page_size
+            matches = self.kv.match(r.page_keys[: r.plan.last_entry // ps])  # a page or None, per page
+            num_pages = -(-len(r.entries) // ps)
+            matched = [p for p in matches if p is not None]
+            need = num_pages - len(matched) + 1  # +1: room to decode
             if need > self.kv.available(matched):
                 if self.running:
                     break
@@ -188,9 +195,18 @@ class Scheduler:
                     failed.append(self._finish(r, "error"))
                     continue
             self.waiting.popleft()
-            r.pages = self.kv.acquire(matched)
-            r.num_done = len(matched) * self.page_size
-            hits = sum(1 for e in r.entries[: r.num_done] if not e.is_copy and e.token_index < r.num_prompt)
+            self.kv.acquire(matched)  # hold them before anything is evicted to make room
+            have = [p < len(matches) and matches[p] is not None for p in range(num_pages)]
+            r.pages = [matches[p] if have[p] else -1 for p in range(num_pages)]
+            have_entry = [have[e // ps] for e in range(len(r.entries))]
+            r.todo, r.cursor = entries_to_compute(r.plan, have_entry), 0
+            resolved = set(r.todo)
+            r.incomplete = {e // ps for e in range(len(r.entries)) if not have_entry[e] and e not in resolved}
+            hits = sum(
+                1
+                for e, ok in zip(r.entries, have_entry)
+                if ok and not e.is_copy and e.token_index < r.num_prompt
+            )
             r.usage.cached_tokens = max(r.usage.cached_tokens, hits)
             self.counters["cache_hit_tokens"] += hits
             r.status = Status.RUNNING
@@ -215,21 +231,23 @@ class Scheduler:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
-        if r.pages:
-            done = min(r.num_done // self.page_size, len(r.pages)) * self.page_size
+        pages = [p for p in r.pages if p >= 0]
+        if pages:
+            ps = self.page_size
+            resolved = r.todo[r.cursor] if r.cursor < len(r.todo) else len(r.entries)
+            done = min(resolved // ps, len(r.pages)) * ps
             live = set(r.decode_keys)
-            dead = [
-                not live.intersection(range(p, p + self.page_size)) for p in range(0, done, self.page_size)
-            ]
-            positions = [e.position for e in r.entries[:done]]
-            self.kv.release(r.pages, self.kv.keys(r.records[:done], positions, dead))
+            dead = [not live.intersection(range(p, p + ps)) for p in range(0, done, ps)]
+            keys = self.kv.keys(r.records[:done], [e.position for e in r.entries[:done]], dead)
+            publish = [None if p in r.incomplete or r.pages[p] < 0 else key for p, key in enumerate(keys)]
+            self.kv.release(pages, dict(zip((r.pages[p] for p in range(len(publish))), publish)))
         r.pages = []
         self.released.append(r.request_id)
 
     def _preempt(self, r: Request) -> None:
         self.counters["preemptions"] += 1
         self._release(r)
-        r.status, r.plan, r.num_done = Status.WAITING, None, 0
+        r.status, r.plan = Status.WAITING, None
         self.waiting.appendleft(r)
 
     def _finish(self, r: Request, reason: str | None) -> Request:
