@@ -86,7 +86,8 @@ class Engine:
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the inbox, aborts and stream table
+        self._step_lock = threading.Lock()  # held while the scheduler changes: stats() sees a whole step
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -166,16 +167,18 @@ class Engine:
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
-        if self._thread is None:
+        if self._thread is None:  # no background loop: apply it now
             self._drain()
         self._wake.set()
 
     def stats(self) -> dict[str, Any]:
-        return self.scheduler.stats()
+        with self._step_lock:
+            return self.scheduler.stats()
 
     def check(self) -> None:
         """Assert the pool's accounting is exact (used by tests after every scenario)."""
-        self.scheduler.check()
+        with self._step_lock:
+            self.scheduler.check()
 
     # ----- internals -----
     def _make(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
@@ -190,27 +193,30 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="minakv-engine", daemon=True)
             self._thread.start()
 
-    def _drain(self) -> None:
+    def _drain(self) -> list[Request]:
+        """Move new requests and aborts into the scheduler; returns the requests aborted."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
-        for r in inbox:
-            self.scheduler.add(r)
-        for rid in aborts:
-            self.scheduler.abort(rid)
+        with self._step_lock:
+            for r in inbox:
+                self.scheduler.add(r)
+            return [r for r in map(self.scheduler.abort, aborts) if r is not None]
 
     def _loop(self) -> None:
         while True:
-            self._drain()
-            if not self.scheduler.has_work():
+            changed = self._drain()
+            if self.scheduler.has_work():
+                try:
+                    with self._step_lock:
+                        changed += self.scheduler.step()
+                except Exception as exc:
+                    logger.exception("engine step failed; failing the running requests")
+                    with self._step_lock:
+                        changed += self.scheduler.fail_all(f"internal error: {exc!r}")
+            elif not changed:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
-                continue
-            try:
-                changed = self.scheduler.step()
-            except Exception as exc:
-                logger.exception("engine step failed; failing the running requests")
-                changed = self.scheduler.fail_all(f"internal error: {exc!r}")
             for r in changed:
                 with self._lock:
                     target = self._streams.get(r.request_id)
