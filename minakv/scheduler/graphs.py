@@ -121,7 +121,11 @@ class DecodeGraphs:
                     self._forward(views, max_keys)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the engine steps in its own thread; other threads may use CUDA meanwhile
+            with (
+                torch.inference_mode(),
+                torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"),
+            ):
                 logits = self._forward(views, max_keys)
         except Exception as exc:  # noqa: BLE001 (a host sync or an uncapturable op in the model: run eagerly)
             self.enabled, self.failure = False, f"{type(exc).__name__}: {exc}"
