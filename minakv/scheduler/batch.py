@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain, pairwise
 
+import numpy as np
 import torch
 
 from minakv.model.context import AttentionLayer
@@ -57,6 +58,13 @@ class ForwardBatch:
         self.kv_indptr.append(len(self.kv_slots))
 
 
+def host_int64(lists: list[list[int]], pin: bool) -> torch.Tensor:
+    """The concatenated int lists as one int64 CPU tensor (pinned for an asynchronous copy to a GPU).
+    numpy's fromiter is ~4x faster than torch.tensor on a Python list, which matters at 10k keys a step."""
+    flat = torch.from_numpy(np.fromiter(chain(*lists), dtype=np.int64, count=sum(map(len, lists))))
+    return flat.pin_memory() if pin else flat
+
+
 class PagedContext:
     def __init__(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         device = k_cache.device
@@ -69,7 +77,7 @@ class PagedContext:
             batch.kv_slots,
             batch.kv_pos,
         ]
-        flat = torch.tensor(list(chain(*lists)), dtype=torch.int64, pin_memory=device.type == "cuda")
+        flat = host_int64(lists, pin=device.type == "cuda")
         parts = flat.to(device, non_blocking=True).split([len(xs) for xs in lists])
         # host-side sizes, so the kernels need not read them back from the device
         lengths = [b - a for a, b in pairwise(batch.kv_indptr)]

@@ -18,12 +18,12 @@ with two host-to-device copies per step. The output is the float32 logits of the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain, pairwise
+from itertools import pairwise
 
 import torch
 
 from minakv.model import CausalLM
-from minakv.scheduler.batch import ForwardBatch, PagedContext
+from minakv.scheduler.batch import ForwardBatch, PagedContext, host_int64
 
 MIN_KEY_BUCKET = 256
 
@@ -86,11 +86,10 @@ class DecodeGraphs:
         n, b = batch.num_decode, g.batch
         pad = b - n
         total = batch.kv_indptr[n]
-        head = list(chain(
+        host = host_int64([
             batch.input_ids, [0] * pad, batch.positions, [0] * pad, batch.slots, [self.pad_slot] * pad,
             batch.kv_indptr, [total] * pad, batch.kv_slots, batch.kv_pos,
-        ))  # fmt: skip
-        host = torch.tensor(head, dtype=torch.int64, pin_memory=True)
+        ], pin=True)  # fmt: skip
         start = 4 * b + 1 + total  # ids .. kv_slots are contiguous; kv_pos starts after the slot capacity
         g.buffer[:start].copy_(host[:start], non_blocking=True)
         at = 4 * b + 1 + g.capacity
