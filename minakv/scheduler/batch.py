@@ -50,11 +50,10 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
-    def add_keys(self, keys: list[tuple[int, int]]) -> None:
-        """Close one query group (decode query or segment) with its (slot, position) keys."""
-        for slot, pos in keys:
-            self.kv_slots.append(slot)
-            self.kv_pos.append(pos)
+    def add_keys(self, slots: list[int], positions: list[int]) -> None:
+        """Close one query group (decode query or segment) with its keys' slots and positions."""
+        self.kv_slots += slots
+        self.kv_pos += positions
         self.kv_indptr.append(len(self.kv_slots))
 
 

@@ -56,6 +56,8 @@ class Request:
     cursor: int = 0  # todo[:cursor] are computed
     incomplete: set[int] = field(default_factory=set)  # pages with entries nobody reads, left uncomputed
     decode_keys: list[int] = field(default_factory=list)  # entries the next generated token reads
+    decode_slots: list[int] = field(default_factory=list)  # their slots and positions, kept step by step
+    decode_pos: list[int] = field(default_factory=list)
     next_pos: int = 0  # position of the next generated token
     error: str | None = None
     finish_reason: str | None = None

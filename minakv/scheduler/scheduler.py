@@ -109,12 +109,18 @@ class Scheduler:
         entry = Entry(t, r.next_pos)
         r.entries.append(entry)
         r.records.append(record(r.plan.final_digest, r.all_ids[t], entry))
-        r.decode_keys.append(len(r.entries) - 1)
+        e = len(r.entries) - 1
+        if len(r.decode_slots) != len(r.decode_keys):  # first decode step since (re)admission
+            r.decode_slots = [self._slot(r, k) for k in r.decode_keys]
+            r.decode_pos = [r.entries[k].position for k in r.decode_keys]
+        r.decode_keys.append(e)
+        r.decode_slots.append(self._slot(r, e))
+        r.decode_pos.append(entry.position)
         r.next_pos += 1
         batch.input_ids.append(r.all_ids[t])
         batch.positions.append(entry.position)
         batch.slots.append(self._slot(r, len(r.entries) - 1))
-        batch.add_keys([(self._slot(r, k), r.entries[k].position) for k in r.decode_keys])
+        batch.add_keys(r.decode_slots, r.decode_pos)  # kept incrementally: O(1) Python work per step
         batch.num_decode += 1
         self._sample_last(batch, r)
         self.counters["decode_tokens"] += 1
@@ -145,7 +151,7 @@ class Scheduler:
                 i, e = i + 1, e + 1
             # the segment's outside keys, plus its members before this piece (cached or computed earlier)
             outside = r.plan.segment_keys[seg] + list(range(r.plan.segment_start[seg], first))
-            batch.add_keys([(self._slot(r, k), entries[k].position) for k in outside])
+            batch.add_keys([self._slot(r, k) for k in outside], [entries[k].position for k in outside])
             batch.seg_q_indptr.append(batch.num_tokens - batch.num_decode)
             if e - 1 == r.plan.last_entry:
                 samples = True
@@ -222,6 +228,7 @@ class Scheduler:
         r.entries, r.records = list(plan.entries), list(plan.records)
         r.page_keys = self.kv.keys(r.records, [e.position for e in r.entries])
         r.decode_keys = list(plan.final_keys)
+        r.decode_slots, r.decode_pos = [], []
         r.next_pos = int(r.program.birth_positions([len(tokens)])[0])
         r.usage.drop_skipped_tokens = plan.num_skipped
 
