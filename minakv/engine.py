@@ -81,7 +81,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         per_token = kv_bytes_per_token(self.model, dtype)
         num_pages = max(1, pool_tokens(config, per_token, device) // config.page_size)
-        self.worker = Worker(self.model, num_pages * config.page_size)
+        self.worker = Worker(self.model, num_pages * config.page_size, cuda_graphs=config.cuda_graphs)
         self.scheduler = Scheduler(config, self.worker, num_pages, self.tokenizer, self.max_model_len)
         self._inbox: list[Request] = []
         self._aborts: list[str] = []

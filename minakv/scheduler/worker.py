@@ -41,7 +41,7 @@ class Worker:
         model: CausalLM,
         num_slots: int,
         kv_dtype: torch.dtype | None = None,
-        cuda_graphs: bool | None = None,  # default: on for CUDA unless MINAKV_CUDA_GRAPHS=0
+        cuda_graphs: bool = True,  # CUDA only; MINAKV_CUDA_GRAPHS=0 also turns them off
     ) -> None:
         self.model = model
         c = model.config
@@ -52,8 +52,7 @@ class Worker:
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.generators: dict[str, torch.Generator] = {}
-        if cuda_graphs is None:
-            cuda_graphs = os.environ.get("MINAKV_CUDA_GRAPHS", "1") != "0"
+        cuda_graphs = cuda_graphs and os.environ.get("MINAKV_CUDA_GRAPHS", "1") != "0"
         self.graphs = (
             DecodeGraphs(model, self.k_cache, self.v_cache, pad_slot=num_slots)
             if cuda_graphs and device.type == "cuda"
