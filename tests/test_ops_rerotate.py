@@ -4,23 +4,12 @@ values copied unchanged, untouched slots unchanged, key norms preserved under Ya
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before `import triton`, which jits its stdlib
+from triton_helpers import interpreted
 
 from minakv.ops.rerotate import rerotate_copy, rerotate_copy_ref, rerotate_copy_triton
 from minakv.ops.rope import Rope
-from minakv.ops.triton_util import interpreter_ready
-
-interpreted = pytest.mark.skipif(
-    not interpreter_ready(), reason="Triton imported first; see test_in_fresh_process"
-)
 
 YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0}
 ROPES = {
@@ -28,21 +17,6 @@ ROPES = {
     "partial": Rope(16, 10000.0),  # head_dim 32, only the first 16 dims rotate
     "yarn": Rope(32, 150000.0, YARN),
 }
-
-
-@pytest.fixture(autouse=True)
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def test_in_fresh_process() -> None:
-    """Another test imported Triton before TRITON_INTERPRET=1 was set: run this file in a new process."""
-    if interpreter_ready():
-        pytest.skip("the interpreted tests run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    run = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:]
 
 
 def random_move(dtype: torch.dtype, seed: int, layers: int = 3, slots: int = 96, n: int = 21):

@@ -4,15 +4,9 @@ computed in float64, on fresh random paged caches: windows, sinks, GQA ratios 1 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before `import triton`, which jits its stdlib
+from triton_helpers import interpreted
 
 from minakv.ops.segment_attention import (
     plan_segments,
@@ -20,26 +14,6 @@ from minakv.ops.segment_attention import (
     segment_attention_ref,
     segment_attention_triton,
 )
-from minakv.ops.triton_util import interpreter_ready
-
-interpreted = pytest.mark.skipif(
-    not interpreter_ready(), reason="Triton imported first; see test_in_fresh_process"
-)
-
-
-@pytest.fixture(autouse=True)
-def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def test_in_fresh_process() -> None:
-    """Another test imported Triton before TRITON_INTERPRET=1 was set: run this file in a new process."""
-    if interpreter_ready():
-        pytest.skip("the interpreted tests run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    run = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:]
 
 
 def paged_slots(count: int, page_size: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
