@@ -184,6 +184,12 @@ class Engine:
     def _make(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         params.check()
         request = make_request(prompt, params, self.tokenizer, self.model.config, self.max_model_len)
+        capacity = self.scheduler.kv.num_pages * self.config.page_size
+        if request.num_prompt >= capacity:
+            raise ValueError(
+                f"the prompt has {request.num_prompt} tokens but the KV pool holds {capacity}; "
+                "start the engine with a larger kv_cache_tokens"
+            )
         if request_id is not None:
             request.request_id = request_id
         return request

@@ -176,6 +176,10 @@ def test_bad_input_is_a_clear_error(engine):
         engine.generate([{"segments": [[1], [2]], "cache": {"drop": {"0": [1]}}}])
     with pytest.raises(ValueError, match="max_model_len"):
         engine.generate([[1] * (engine.max_model_len + 1)])
+    pool_tokens = engine.stats()["pages_total"] * engine.config.page_size
+    with pytest.raises(ValueError, match="KV pool holds"):
+        Engine(engine.model, page_size=4, kv_cache_tokens=16).generate([[1] * 20])
+    assert pool_tokens > 20
     assert_idle(engine)
 
 
