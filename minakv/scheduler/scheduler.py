@@ -173,12 +173,13 @@ class Scheduler:
         cached pages and, if that is not enough, preempting the youngest running requests (possibly r)."""
         while r.status is Status.RUNNING and len(r.pages) * self.page_size < num_entries:
             r.pages.append(-1)
-        while r.status is Status.RUNNING and -1 in r.pages:
+        missing = [i for i, page in enumerate(r.pages) if page < 0]
+        while r.status is Status.RUNNING and missing:
             page = self.kv.allocate()
             if page is None:
                 self._preempt(self.running[-1])
             else:
-                r.pages[r.pages.index(-1)] = page
+                r.pages[missing.pop()] = page
 
     def _admit(self) -> list[Request]:
         failed = []
