@@ -1,0 +1,59 @@
+"""Host time of the scheduler per decode step (no model compute): what the GPU waits for between steps.
+
+The worker is replaced by a stub that returns token 0 for every sample row, so the figure is the Python
+work of planning, batching and bookkeeping alone: `Scheduler.step` minus the forward pass. Run on CPU:
+
+    python bench/scheduler_host.py --batch 32 --context 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from minakv import Engine, SamplingParams
+from minakv.model import build_model
+from minakv.model.config import ModelConfig
+from minakv.scheduler.worker import StepResult
+
+CONFIG = {
+    "architectures": ["GptOssForCausalLM"], "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 128, "max_position_embeddings": 131072,
+}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args()
+    model = build_model(ModelConfig.from_hf(CONFIG), device="cpu")
+    engine = Engine(model, page_size=16, kv_cache_tokens=args.batch * (args.context + args.steps + 64))
+    engine.worker.step = lambda batch: StepResult(
+        [0] * len(batch.sample_rows), [None] * len(batch.sample_rows)
+    )
+    prompts = [[(i * 7 + j) % 1024 for j in range(args.context)] for i in range(args.batch)]
+    params = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)
+    scheduler = engine.scheduler
+    for p in prompts:
+        engine._drain()  # noqa: SLF001 - nothing queued; keeps the engine idle
+        scheduler.add(engine._make(p, params))  # noqa: SLF001
+    while any(r.cursor < len(r.todo) or r.plan is None for r in [*scheduler.waiting, *scheduler.running]):
+        scheduler.step()  # admission and prefill (no compute)
+    times = []
+    while scheduler.has_work():
+        start = time.perf_counter()
+        scheduler.step()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    median = times[len(times) // 2]
+    keys = args.batch * args.context
+    print(f"batch {args.batch} x context {args.context}: {len(times)} decode steps, host time per step: "
+          f"median {median * 1e3:.2f} ms, p90 {times[int(len(times) * 0.9)] * 1e3:.2f} ms "
+          f"({keys / median / 1e6:.1f} M keys listed per second)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
