@@ -126,16 +126,16 @@ def save(path: Path, tensors: dict[str, torch.Tensor], quantized: set[str]) -> N
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def dims(c: dict) -> tuple[int, ...]:
+    """hidden, vocab, experts, intermediate, and the q and kv projection widths of a config."""
+    D = c["head_dim"]
+    return (c["hidden_size"], c["vocab_size"], c["num_local_experts"], c["intermediate_size"],
+            c["num_attention_heads"] * D, c["num_key_value_heads"] * D)  # fmt: skip
+
+
 def build_gpt_oss(path: Path, gen: torch.Generator, mxfp4: bool) -> None:
     c = GPT_OSS_CONFIG
-    H, V, D, E, I = (
-        c["hidden_size"],
-        c["vocab_size"],
-        c["head_dim"],
-        c["num_local_experts"],
-        c["intermediate_size"],
-    )
-    q, kv = c["num_attention_heads"] * D, c["num_key_value_heads"] * D
+    H, V, E, I, q, kv = dims(c)
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(gen, V, H)}
     quantized: set[str] = set()
     for i in range(c["num_hidden_layers"]):
@@ -192,14 +192,7 @@ def build_minimax(path: Path, gen: torch.Generator, fp8: bool) -> None:
     vocab = tok.get_vocab_size()  # no padding rows, so greedy output is always decodable text
     bos, eos = tok.token_to_id("]~!b["), tok.token_to_id("[e~[")
     c = dict(MINIMAX_CONFIG, vocab_size=vocab, bos_token_id=bos, eos_token_id=eos)
-    H, V, D, E, I = (
-        c["hidden_size"],
-        c["vocab_size"],
-        c["head_dim"],
-        c["num_local_experts"],
-        c["intermediate_size"],
-    )
-    q, kv = c["num_attention_heads"] * D, c["num_key_value_heads"] * D
+    H, V, E, I, q, kv = dims(c)
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(gen, V, H)}
     linear: list[str] = []  # the weights FP8 quantises
     for i in range(c["num_hidden_layers"]):
