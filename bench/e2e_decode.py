@@ -2,6 +2,7 @@
 transformers' `generate` on the same weights, in the same process (issue 6, acceptance 4).
 
     PYTHONUNBUFFERED=1 python bench/e2e_decode.py [--layers 24] [--batches 1,32] [--prompt 128]
+        [--moe fused,grouped] [--profile 32]
 
 Shape: 24 layers, hidden 2880, 64 query / 8 KV heads of 64, 32 experts top-4 (intermediate 2880), vocab
 201088, window 128 on even layers (transformers' GptOssConfig defaults, but 32 experts). Our weights are drawn on the GPU
@@ -14,6 +15,11 @@ of two repeats). The bytes-read bound (DESIGN.md 5) counts per step: all non-exp
 the lm_head, the expected number of distinct experts touched (uniform routing: E(1 - (1 - k/E)^B)) times
 an expert's bytes, and the K/V bytes of the active keys (window layers read at most the window); the
 fraction is (bytes / step time) over the copy bandwidth measured in the same run.
+
+`--moe` times our engine once per decode MoE path (minakv/ops/moe.py: the fused Triton kernels, or the
+grouped GEMM) in the same run; the first one listed is compared with transformers. `--profile B` then
+runs a few decode steps at batch B without CUDA graphs under torch.profiler and writes the kernels' time
+table to $OUT/profile_b{B}.txt.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from minakv.model import make_empty_model
 from minakv.model.config import ModelConfig
 from minakv.model.context import DenseContext
 from minakv.model.layers import RMSNorm
+from minakv.ops import moe as moe_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: only a smoke test of the script (--tiny)
 TINY = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -160,6 +167,50 @@ def step_bytes(model, config: ModelConfig, batch: int, context: float) -> float:
     return other + touched * expert * config.num_layers + lm_head + kv
 
 
+def time_ours(engine: Engine, run, batch: int, args, need: float, bw: float) -> dict:
+    """Our seconds per decode step, and the GPU time of one step alone (a replay of its CUDA graph)."""
+    ours_s = step_time(run, batch, args.n1, args.n2)
+    graphs = engine.worker.graphs
+    replay_ms = None
+    if graphs is not None and graphs.graphs:
+        g = max(graphs.graphs.values(), key=lambda g: (g.batch == batch, g.capacity))
+        replay_ms = float(triton.testing.do_bench(g.graph.replay, warmup=20, rep=200, return_mode="median"))
+        graphs.graphs.clear()  # the next MoE path captures its own
+    return {
+        "ours_ms": ours_s * 1e3, "ours_tok_s": batch / ours_s, "bound_ms": need / bw * 1e3,
+        "bytes_per_step": need, "fraction_of_bound": need / ours_s / bw,
+        "graphs": None if graphs is None else (graphs.failure or "captured"), "graph_replay_ms": replay_ms,
+    }  # fmt: skip
+
+
+def profile(model, prompts: list[list[int]], out_dir: str, steps: int = 6) -> None:
+    """Kernel time table of `steps` decode steps at len(prompts) (eager: graphs hide the kernels)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    engine = Engine(model, page_size=16, kv_cache_tokens=len(prompts) * (len(prompts[0]) + 64),
+                    max_num_batched_tokens=8192, max_num_seqs=max(64, len(prompts)), cuda_graphs=False)  # fmt: skip
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.generate(prompts, params, use_tqdm=False)  # warm-up
+    for p in prompts:
+        engine.scheduler.add(
+            engine._make(p, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
+        )
+    engine.scheduler.step()  # prefill (and the first token) outside the profile
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.scheduler.step()
+        sync()
+    sort = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+    name = f"profile_b{len(prompts)}.txt"
+    with open(os.path.join(out_dir, name), "w") as f:
+        f.write(f"{steps} decode steps at batch {len(prompts)}, eager\n{table}\n")
+    print(table[:6000], flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=24)
@@ -168,6 +219,8 @@ def main() -> None:
     parser.add_argument("--n1", type=int, default=8)
     parser.add_argument("--n2", type=int, default=56)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--moe", default="fused", help="decode MoE paths to time: fused,grouped")
+    parser.add_argument("--profile", type=int, default=0, help="profile decode at this batch (0: no)")
     parser.add_argument("--tiny", action="store_true", help="a tiny config (smoke test of the script)")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", ".")
@@ -212,30 +265,25 @@ def main() -> None:
                               do_sample=False, pad_token_id=0)  # fmt: skip
         assert out.shape[1] == args.prompt + n
 
+    fused_max = moe_ops.FUSED_MAX_PAIRS
+    paths = args.moe.split(",")
     rows = []
     for batch in batches:
         context = args.prompt + (args.n1 + args.n2) / 2
         need = step_bytes(ours, config, batch, context)
-        ours_s = step_time(run_ours, batch, args.n1, args.n2)
-        graphs = engine.worker.graphs
-        replay_ms = None
-        if graphs is not None and graphs.graphs:  # the GPU time of one decode step, without the host's part
-            g = max(graphs.graphs.values(), key=lambda g: (g.batch == batch, g.capacity))
-            replay_ms = float(
-                triton.testing.do_bench(g.graph.replay, warmup=20, rep=200, return_mode="median")
-            )
-        row = {
-            "batch": batch, "ours_ms": ours_s * 1e3, "ours_tok_s": batch / ours_s,
-            "bound_ms": need / bw * 1e3, "bytes_per_step": need, "fraction_of_bound": need / ours_s / bw,
-            "graphs": None if graphs is None else (graphs.failure or sorted(graphs.graphs)),
-            "graph_replay_ms": replay_ms,
-        }  # fmt: skip
-        print(json.dumps(row), flush=True)
-        if hf is not None:
-            hf_s = step_time(run_hf, batch, args.n1, args.n2, repeats=1)
-            row.update(hf_ms=hf_s * 1e3, hf_tok_s=batch / hf_s, speedup=hf_s / ours_s)
+        for path in paths:
+            moe_ops.FUSED_MAX_PAIRS = fused_max if path == "fused" else 0
+            row = {"batch": batch, "moe": path, **time_ours(engine, run_ours, batch, args, need, bw)}
             print(json.dumps(row), flush=True)
-        rows.append(row)
+            if hf is not None and path == paths[0]:
+                hf_s = step_time(run_hf, batch, args.n1, args.n2, repeats=1)
+                row.update(hf_ms=hf_s * 1e3, hf_tok_s=batch / hf_s, speedup=hf_s * 1e3 / row["ours_ms"])
+                print(json.dumps(row), flush=True)
+            rows.append(row)
+    moe_ops.FUSED_MAX_PAIRS = fused_max
+    if args.profile:
+        del engine
+        profile(ours, prompts(args.profile), out_dir)
     env = f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'} torch {torch.__version__}"
     with open(os.path.join(out_dir, "e2e.json"), "w") as f:
         json.dump(
@@ -246,12 +294,12 @@ def main() -> None:
     )
     print(f"prompt {args.prompt}, decode steps {args.n1}..{args.n2}, copy bandwidth {bw / 1e12:.2f} TB/s")
     print(
-        "batch | minakv ms/step | graph replay ms | tok/s | bound ms | of bound | HF ms/step | HF tok/s | speedup"
+        "batch | moe | minakv ms/step | graph replay ms | tok/s | bound ms | of bound | HF ms/step | HF tok/s | speedup"
     )
     for r in rows:
         hf = f"{r['hf_ms']:.2f} | {r['hf_tok_s']:.1f} | {r['speedup']:.2f}x" if "hf_ms" in r else "- | - | -"
         replay = f"{r['graph_replay_ms']:.2f}" if r["graph_replay_ms"] else "-"
-        print(f"{r['batch']} | {r['ours_ms']:.2f} | {replay} | {r['ours_tok_s']:.1f} | {r['bound_ms']:.2f} | "
+        print(f"{r['batch']} | {r['moe']} | {r['ours_ms']:.2f} | {replay} | {r['ours_tok_s']:.1f} | {r['bound_ms']:.2f} | "
               f"{r['fraction_of_bound']:.2f} | {hf}")  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_decode
+import bench_moe
 import bench_rerotate
 import bench_segment
 import torch
@@ -27,7 +28,7 @@ from common import Log, copy_bandwidth
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-sweep", action="store_true", help="time the default configs only")
-    parser.add_argument("--only", default="decode,segment,rerotate")
+    parser.add_argument("--only", default="decode,segment,rerotate,moe")
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
     parts = args.only.split(",")
@@ -40,7 +41,12 @@ def main() -> None:
     log.add("bench", name="copy bandwidth (2 GiB bf16, read+write)", ms=0.0, figure=f"{bw / 1e12:.3f} TB/s",
             copy_bw=bw, headline=True)  # fmt: skip
     sections = []
-    for name, module in [("decode", bench_decode), ("segment", bench_segment), ("rerotate", bench_rerotate)]:
+    for name, module in [
+        ("decode", bench_decode),
+        ("segment", bench_segment),
+        ("rerotate", bench_rerotate),
+        ("moe", bench_moe),
+    ]:
         if name not in parts:
             continue
         if not args.no_check:

@@ -188,10 +188,10 @@ FIRST_FAILURE = (
 
 
 @pytest.mark.parametrize("graphs", ["1", "0"])
-@pytest.mark.parametrize("moe_path", ["grouped", "dense"])
+@pytest.mark.parametrize("moe_path", ["fused", "grouped", "dense"])
 def test_bf16_first_failure_by_component(graphs, moe_path, monkeypatch):
     from minakv.model import gpt_oss
-    from minakv.ops.moe import moe_dense
+    from minakv.ops import moe as moe_ops
 
     cpu = tiny_model("gpt_oss")
     for name, p in cpu.named_parameters():
@@ -199,11 +199,11 @@ def test_bf16_first_failure_by_component(graphs, moe_path, monkeypatch):
             p.data.mul_(SOFTEN["gpt_oss"])
     models = (cpu, bf16_copy(cpu), bf16_copy(cpu, "cpu"))
     monkeypatch.setenv("MINAKV_CUDA_GRAPHS", graphs)
-    if moe_path == "dense":  # every token through every expert with bmm instead of the grouped GEMM
-        original = gpt_oss.moe
-        monkeypatch.setattr(
-            gpt_oss, "moe", lambda x, *a, **k: (moe_dense if x.is_cuda else original)(x, *a, **k)
-        )
+    # on CUDA every MoE call takes the path under test (fused Triton kernels, grouped GEMM, or every token
+    # through every expert with bmm); the CPU oracles keep the reference loop
+    path = {"fused": moe_ops.moe_fused, "grouped": moe_ops.moe_grouped, "dense": moe_ops.moe_dense}[moe_path]
+    original = gpt_oss.moe
+    monkeypatch.setattr(gpt_oss, "moe", lambda x, *a, **k: (path if x.is_cuda else original)(x, *a, **k))
     rng = random.Random(22093)
     others = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(2)]
     segments, cache = FIRST_FAILURE

@@ -7,7 +7,9 @@ Weight layout, shared by both families (the loader converts checkpoints into it)
   optional biases gate_up_bias [E, 2I] (same row order) and down_bias [E, H] (GPT-OSS).
 All weights are (out, in), like nn.Linear, so `x @ w.T` is a projection.
 
-`moe` picks one of three ways to compute the same function, none of which loops over tokens:
+`moe` picks one of four ways to compute the same function, none of which loops over tokens:
+- `moe_fused` (CUDA, few (token, expert) pairs: decode): two Triton kernels that read each chosen expert's
+  weights once, with bias and activation fused (minakv/ops/fused_moe.py). Sync-free, any dtype.
 - `moe_loop` (the reference, CPU): group the (token, expert) pairs by expert and run one matmul per expert
   that got tokens, then scatter the weighted outputs back with index_add in fp32. Reading the group sizes
   is a host sync, which is free on CPU and costly on a GPU.
@@ -24,7 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minakv.ops.fused_moe import moe_fused
+
 DENSE_MAX_PAIRS = 4096  # moe_dense only while tokens * experts stays small (it computes every pair)
+FUSED_MAX_PAIRS = 512  # moe_fused up to this many (token, slot) pairs (its id scan grows with them); then grouped GEMM
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +78,8 @@ def moe(
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype."""
     args = (x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
+    if x.is_cuda and topk_ids.numel() <= FUSED_MAX_PAIRS:
+        return moe_fused(*args)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(F, "grouped_mm"):
         return moe_grouped(*args)
     if x.is_cuda and x.shape[0] * gate_up.shape[0] <= DENSE_MAX_PAIRS:

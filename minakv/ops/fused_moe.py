@@ -1,0 +1,186 @@
+"""Fused MoE for small batches (decode): two Triton kernels that read each chosen expert's weights once.
+
+At decode the MoE is bound by the bytes of the expert weights it reads: batch 32 with top-4 of 32 experts
+touches nearly every expert, but each with only ~4 rows. A general grouped GEMM tiles for large M and
+runs far from memory bandwidth there, and the glue around it (bias gathers, the activation as a chain of
+elementwise ops, the scatter back) costs a dozen more launches per layer. Here:
+
+  pairs    the T*k (token, slot) pairs, in that order. Nothing is sorted: each program reads the whole
+           (small) list of expert ids and finds its own expert's pairs (a prefix sum over the matches
+           numbers them 0, 1, ...), so no glue kernels run between the router and the experts,
+  kernel 1 one program per (expert, block of I columns): gate and up tiles of the same columns, so
+           bias + activation happen in registers; writes h [T*k, I] (pair rows),
+  kernel 2 one program per (expert, block of H columns): h @ down^T + bias, times the pair's routing
+           weight, written in fp32 to the pair's row; a plain sum over the k slots (no atomics:
+           deterministic) gives the output.
+
+A program loops over its expert's pairs in blocks of BLOCK_M, so it also handles experts with many rows
+(re-reading its weight tile from L2), but large batches are better served by the grouped GEMM (moe.py),
+and the id scan grows with the pair count. Experts that got no pair return at once.
+
+`moe_fused` has the signature of the references in minakv/ops/moe.py and is checked against them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minakv.ops.triton_util import check, interpreting
+
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+
+
+def moe_fused(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_bias=None,
+              activation="silu", limit=7.0, alpha=1.702, *, block_m: int | None = None,
+              block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+              num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+    """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype. The keyword-only knobs
+    are for benchmarks and tests."""
+    check(
+        activation in ACTIVATIONS, f"unknown MoE activation {activation!r} (expected 'silu' or 'swiglu_oai')"
+    )
+    num_tokens, k = topk_ids.shape
+    num_experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    check(x.shape == (num_tokens, hidden), f"x is {tuple(x.shape)}, expected ({num_tokens}, {hidden})")
+    check(down.shape == (num_experts, hidden, inter), f"down is {tuple(down.shape)}")
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    num_pairs = num_tokens * k
+    if block_m is None:  # rows per expert on average, rounded up to a tensor-core tile
+        block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, num_experts))))
+
+    ids = topk_ids.reshape(-1).contiguous()
+    pairs_pad = max(16, triton.next_power_of_2(num_pairs))
+    f32_dot = x.dtype == torch.float32 or interpreting()
+    dummy = ids  # any pointer, for absent biases
+
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
+        x, gate_up, gate_up_bias if gate_up_bias is not None else dummy, ids, h,
+        num_pairs, hidden, inter, k, float(limit), float(alpha),
+        x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
+        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], PAIRS_PAD=pairs_pad,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=f32_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _down_kernel[(num_experts, triton.cdiv(hidden, block_n))](
+        h, down, down_bias if down_bias is not None else dummy, ids, weights, y,
+        num_pairs, inter, hidden, h.stride(0), down.stride(0), down.stride(1),
+        down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
+        HAS_BIAS=down_bias is not None, PAIRS_PAD=pairs_pad,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=f32_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+
+
+@triton.jit
+def _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD: tl.constexpr):
+    """This expert's pairs: (is mine [PAIRS_PAD], my running number [PAIRS_PAD], how many)."""
+    offs = tl.arange(0, PAIRS_PAD)
+    mine = (tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) == expert).to(tl.int32)
+    return mine, tl.cumsum(mine, 0) - 1, tl.sum(mine, 0)
+
+
+@triton.jit
+def _pairs_of_rows(mine, number, m0, BLOCK_M: tl.constexpr, PAIRS_PAD: tl.constexpr):
+    """Pair index of this expert's rows m0 .. m0 + BLOCK_M - 1 (0 past the last)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    hit = (mine[None, :] == 1) & (number[None, :] == rows[:, None])
+    return tl.sum(tl.where(hit, tl.arange(0, PAIRS_PAD)[None, :], 0), 1)
+
+
+@triton.jit
+def _dot(a, w, acc, F32_DOT: tl.constexpr):
+    """acc + a @ w^T, with w stored (out, in) like nn.Linear."""
+    if F32_DOT:  # fp32 weights (or the interpreter): exact fp32 products, not tf32
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, b_ptr, ids_ptr, h_ptr,
+    num_pairs, H, I, TOPK, limit, alpha,
+    stride_x, stride_we, stride_wn, stride_be, stride_h,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PAIRS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    expert = tl.program_id(0)
+    mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
+    if count == 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    # gate rows n and up rows I + n of this expert: the same output columns of h
+    w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    w_up = w_gate + I * stride_wn
+    if HAS_BIAS:
+        b_gate = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        b_up = tl.load(b_ptr + expert * stride_be + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    for m0 in range(0, count, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < count
+        pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)
+        x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = k0 + offs_k < H
+            a = tl.load(x_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(w_gate + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            wu = tl.load(w_up + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_gate = _dot(a, wg, acc_gate, F32_DOT)
+            acc_up = _dot(a, wu, acc_up, F32_DOT)
+        if HAS_BIAS:
+            acc_gate += b_gate[None, :]
+            acc_up += b_up[None, :]
+        if ACT == 0:  # silu(gate) * up
+            act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        else:  # GPT-OSS: gate clamped from above, up on both sides, and the "+1" on up
+            gate = tl.minimum(acc_gate, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+        tl.store(h_rows, act.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr,
+    num_pairs, I, H, stride_h, stride_we, stride_wn, stride_be, stride_y,
+    HAS_BIAS: tl.constexpr, PAIRS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    expert = tl.program_id(0)
+    mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
+    if count == 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    for m0 in range(0, count, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < count
+        pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)
+        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = k0 + offs_k < I
+            a = tl.load(h_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(a, w, acc, F32_DOT)
+        if HAS_BIAS:
+            acc += bias[None, :]
+        acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
+        y_rows = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+        tl.store(y_rows, acc, mask=m_ok[:, None] & n_ok[None, :])
