@@ -175,7 +175,6 @@ def time_ours(engine: Engine, run, batch: int, args, need: float, bw: float) -> 
     if graphs is not None and graphs.graphs:
         g = max(graphs.graphs.values(), key=lambda g: (g.batch == batch, g.capacity))
         replay_ms = float(triton.testing.do_bench(g.graph.replay, warmup=20, rep=200, return_mode="median"))
-        graphs.graphs.clear()  # the next MoE path captures its own
     return {
         "ours_ms": ours_s * 1e3, "ours_tok_s": batch / ours_s, "bound_ms": need / bw * 1e3,
         "bytes_per_step": need, "fraction_of_bound": need / ours_s / bw,
@@ -246,14 +245,19 @@ def main() -> None:
             print("WARNING: the two models disagree: weight mapping broken?", flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     max_tokens = max(batches) * (args.prompt + args.n2 + 16)
-    engine = Engine(ours, page_size=16, kv_cache_tokens=max_tokens, max_num_batched_tokens=8192,
-                    max_num_seqs=max(64, max(batches)), enable_prefix_cache=False)  # fmt: skip
+
+    def make_engine() -> Engine:  # one per MoE path: its CUDA graphs capture the path
+        return Engine(ours, page_size=16, kv_cache_tokens=max_tokens, max_num_batched_tokens=8192,
+                      max_num_seqs=max(64, max(batches)), enable_prefix_cache=False)  # fmt: skip
+
+    engine = None
     gen = torch.Generator().manual_seed(1)
 
     def prompts(batch: int) -> list[list[int]]:
         return torch.randint(0, min(config.vocab_size, 200000), (batch, args.prompt), generator=gen).tolist()
 
     def run_ours(batch: int, n: int) -> None:
+        assert engine is not None
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         outs = engine.generate(prompts(batch), params, use_tqdm=False)
         assert all(len(o.token_ids) == n for o in outs)
@@ -273,6 +277,9 @@ def main() -> None:
         need = step_bytes(ours, config, batch, context)
         for path in paths:
             moe_ops.FUSED_MAX_PAIRS = fused_max if path == "fused" else 0
+            engine = None
+            torch.cuda.empty_cache() if DEVICE == "cuda" else None
+            engine = make_engine()
             row = {"batch": batch, "moe": path, **time_ours(engine, run_ours, batch, args, need, bw)}
             print(json.dumps(row), flush=True)
             if hf is not None and path == paths[0]:
@@ -282,7 +289,7 @@ def main() -> None:
             rows.append(row)
     moe_ops.FUSED_MAX_PAIRS = fused_max
     if args.profile:
-        del engine
+        engine = None
         profile(ours, prompts(args.profile), out_dir)
     env = f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'} torch {torch.__version__}"
     with open(os.path.join(out_dir, "e2e.json"), "w") as f:
