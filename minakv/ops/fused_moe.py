@@ -48,8 +48,8 @@ def moe_fused(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_
     check(down.shape == (num_experts, hidden, inter), f"down is {tuple(down.shape)}")
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     num_pairs = num_tokens * k
-    if block_m is None:  # rows per expert on average, rounded up to a tensor-core tile
-        block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, num_experts))))
+    if block_m is None:  # twice the average rows per expert (most experts in one pass), >= a tensor-core tile
+        block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(2 * num_pairs, num_experts))))
 
     ids = topk_ids.reshape(-1).contiguous()
     pairs_pad = max(16, triton.next_power_of_2(num_pairs))
