@@ -14,12 +14,14 @@
    their matrices scaled down (x0.5 GPT-OSS, x0.35 MiniMax-M2): at full sharpness bf16 rounding alone
    flips argmaxes at ~10% of positions (measured on CPU), which would leave nothing to test.
 
-Skipped without CUDA (CI runs them as skips; run them on a GPU with `pytest -m gpu`).
+Skipped without CUDA (CI runs them as skips; run them on a GPU with `pytest -m gpu`; MINAKV_GPU_EXAMPLES
+sets the number of random programs per engine shape, 12 by default).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import random
 
 import pytest
@@ -143,7 +145,12 @@ def assert_close_to_oracle(models, segments, cache, out) -> float:
 
 
 # no shrinking: on a GPU run, report the first failing program as drawn rather than spend minutes minimising
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), phases=NO_SHRINK)
+@settings(
+    max_examples=int(os.environ.get("MINAKV_GPU_EXAMPLES", "12")),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    phases=NO_SHRINK,
+)
 @given(data=programs(), seed=st.integers(0, 2**16))
 def test_bf16_random_programs_match_the_walk(engine, models, data, seed):
     segments, cache = data

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from minakv.ops.fused_moe import moe_fused
 
 DENSE_MAX_PAIRS = 4096  # moe_dense only while tokens * experts stays small (it computes every pair)
-FUSED_MAX_PAIRS = 512  # moe_fused up to this many (token, slot) pairs (its id scan grows with them); then grouped GEMM
+# moe_fused up to this many (token, slot) pairs (its id scan grows with them); then the grouped GEMM
+FUSED_MAX_PAIRS = 512
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 
 from minakv.model.context import AttentionLayer
 from minakv.ops.decode_attention import decode_attention
-from minakv.ops.rope import apply_rope
+from minakv.ops.kv_store import rotate_and_store
 from minakv.ops.segment_attention import plan_segments, segment_attention
 from minakv.ops.triton_util import use_triton
 from minakv.sampling import SamplingParams
@@ -133,12 +133,8 @@ class PagedContext:
         if key not in self._cos_sin:  # one table per forward, shared by all layers
             self._cos_sin[key] = layer.rope.cos_sin(self.positions)
         cos, sin = self._cos_sin[key]
-        num_heads = q.shape[1]
-        qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)  # one rotation pass for q and k (fewer kernels)
-        q, k = qk[:, :num_heads], qk[:, num_heads:]
         k_cache, v_cache = self.k_cache[layer.index], self.v_cache[layer.index]
-        k_cache[self.slots] = k.to(k_cache.dtype)
-        v_cache[self.slots] = v.to(v_cache.dtype)
+        q = rotate_and_store(q, k, v, cos, sin, self.slots, k_cache, v_cache)
         b = self.num_decode
         decode = segments = None
         if b:

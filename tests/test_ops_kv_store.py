@@ -1,0 +1,136 @@
+"""Rotate-and-store and RMSNorm kernels (run by Triton's CPU interpreter) against float64 references:
+full and partial rotary, GQA ratios 1 and 8, head counts and sizes that are not powers of two; K and V
+land in their slots and no other slot changes. RMSNorm: both weight placements, rows of odd sizes.
+
+bf16 outputs are compared within one bf16 step: the interpreter converts fp32 to bf16 by truncation
+(the GPU rounds to nearest), so only fp32 is compared tightly here; the GPU run compares both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_helpers import interpreted
+
+from minakv.ops.kv_store import rotate_and_store, rotate_and_store_ref, rotate_and_store_triton
+from minakv.ops.norm import rms_norm_ref, rms_norm_triton
+from minakv.ops.rope import Rope
+
+BF16_STEP = 2.0**-7  # relative spacing of bf16 numbers (8 significant bits)
+
+
+def rotate_float64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = cos.shape[-1]
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    x1, x2, rest = x[..., :half].double(), x[..., half : 2 * half].double(), x[..., 2 * half :].double()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(ours.double(), ref, rtol=2 * BF16_STEP, atol=1e-3)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,rotary_dim",
+    [(8, 1, 32, 32), (4, 4, 32, 16), (6, 2, 24, 24), (3, 1, 48, 16)],  # GQA 8 and 1, partial, odd sizes
+)
+def test_rotate_and_store_matches_float64(num_heads, num_kv_heads, head_dim, rotary_dim, dtype) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 100 + head_dim)
+    tokens, num_slots = 9, 40
+    q, k, v = (
+        torch.randn(tokens, h, head_dim, generator=gen).to(dtype)
+        for h in (num_heads, num_kv_heads, num_kv_heads)
+    )
+    cos, sin = Rope(rotary_dim, 10000.0).cos_sin(torch.randint(0, 50_000, (tokens,), generator=gen))
+    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q_out = rotate_and_store_triton(q, k, v, cos, sin, slots, k_cache, v_cache)
+    assert q_out.dtype == dtype and q_out.shape == q.shape
+    assert_close(q_out, rotate_float64(q, cos, sin), dtype)
+    assert_close(k_cache[slots], rotate_float64(k, cos, sin), dtype)
+    assert torch.equal(v_cache[slots], v)
+    others = torch.ones(num_slots, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(k_cache[others], k0[others]) and torch.equal(v_cache[others], v0[others])
+    if dtype == torch.float32:  # the torch reference is the CPU path: same numbers
+        kr, vr = k0.clone(), v0.clone()
+        torch.testing.assert_close(rotate_and_store_ref(q, k, v, cos, sin, slots, kr, vr), q_out)
+        torch.testing.assert_close(kr, k_cache)
+        assert torch.equal(vr, v_cache)
+
+
+def test_rotate_and_store_dispatch_on_cpu_is_the_reference() -> None:
+    q, k, v = torch.randn(2, 2, 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    cos, sin = Rope(8, 10000.0).cos_sin(torch.tensor([3, 7]))
+    caches = [torch.zeros(4, 1, 8) for _ in range(4)]
+    a = rotate_and_store(q, k, v, cos, sin, torch.tensor([2, 0]), caches[0], caches[1])
+    b = rotate_and_store_ref(q, k, v, cos, sin, torch.tensor([2, 0]), caches[2], caches[3])
+    assert torch.equal(a, b) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_in_fp32", [True, False])
+@pytest.mark.parametrize("size", [64, 90])
+def test_rms_norm_kernel_matches_float64(size: int, weight_in_fp32: bool, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(size)
+    x = (torch.randn(5, 3, size, generator=gen) * 3).to(dtype)
+    weight = 1 + torch.randn(size, generator=gen)
+    if not weight_in_fp32:
+        weight = weight.to(dtype)
+    xd = x.double()
+    ref = weight.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+    ours = rms_norm_triton(x, weight, 1e-5, weight_in_fp32)
+    assert ours.dtype == dtype and ours.shape == x.shape
+    step = 2 * BF16_STEP if dtype == torch.bfloat16 and not weight_in_fp32 else 0  # two roundings there
+    assert_close_rel(ours, ref, dtype, step)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, rms_norm_ref(x, weight, 1e-5, weight_in_fp32))
+
+
+def assert_close_rel(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, extra: float) -> None:
+    rtol = 1e-6 if dtype == torch.float32 else 2 * BF16_STEP + extra
+    torch.testing.assert_close(ours.double(), ref, rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_on_cuda(dtype: torch.dtype) -> None:
+    """Compiled, at gpt-oss-20b's attention shape (64 / 8 heads of 64) and MiniMax-M2's (48 / 8 of 128,
+    half rotary): within one bf16 step of float64, and RMSNorm over 2880."""
+    for num_heads, num_kv_heads, head_dim, rotary_dim in [(64, 8, 64, 64), (48, 8, 128, 64)]:
+        gen = torch.Generator(device="cuda").manual_seed(head_dim)
+        tokens, num_slots = 300, 1000
+        q, k, v = (
+            torch.randn(tokens, h, head_dim, generator=gen, device="cuda").to(dtype)
+            for h in (num_heads, num_kv_heads, num_kv_heads)
+        )
+        cos, sin = Rope(rotary_dim, 10000.0).cos_sin(torch.randint(0, 50_000, (tokens,), device="cuda"))
+        slots = torch.randperm(num_slots, device="cuda")[:tokens]
+        k_cache = torch.zeros(num_slots, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        q_out = rotate_and_store(q, k, v, cos, sin, slots, k_cache, v_cache)
+        rtol = 1e-6 if dtype == torch.float32 else BF16_STEP
+        for ours, ref in [
+            (q_out, rotate_float64(q, cos, sin)),
+            (k_cache[slots], rotate_float64(k, cos, sin)),
+        ]:
+            torch.testing.assert_close(ours.double().cpu(), ref.cpu(), rtol=rtol, atol=1e-6)
+        assert torch.equal(v_cache[slots], v)
+    x = (torch.randn(77, 2880, device="cuda") * 3).to(dtype)
+    weight = 1 + torch.randn(2880, device="cuda")
+    xd = x.double()
+    ref = weight.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(
+        rms_norm_triton(x, weight, 1e-5, True).double(),
+        ref,
+        rtol=1e-5 if dtype == torch.float32 else BF16_STEP,
+        atol=1e-5,
+    )
