@@ -4,15 +4,24 @@
    lengths, one batch), with CUDA graphs on and off.
 2. bf16 on the GPU: random drop/reposition programs (as in test_engine_walk.py, at page sizes 1, 16 and 7,
    chunked prefill, a pool small enough to evict and restore) against the float64 walk oracle on CPU.
-   bf16 cannot match float64 exactly, and its error is heavy-tailed (a rounding can flip an MoE routing
-   choice), so the tolerance is measured per program: the walk oracle itself, run with the same bf16
-   weights (on CPU), deviates from the float64 oracle by some amount on the chosen tokens' logprobs; the
-   engine may deviate by at most 2x that plus 0.02 (kernel accumulation order, re-rotation rounding), and
-   its greedy choice must be within that of the bf16 oracle's best. A wrong mask, position or cache entry
-   moves logprobs by 0.06-0.55 here (measured: removing three early tokens of a prompt), far beyond the
-   bf16 noise of a correct computation (~0.01-0.1). The models are engine_helpers' sharp tiny models with
-   their matrices scaled down (x0.5 GPT-OSS, x0.35 MiniMax-M2): at full sharpness bf16 rounding alone
-   flips argmaxes at ~10% of positions (measured on CPU), which would leave nothing to test.
+   bf16 cannot match float64 exactly, so the tolerance is measured per program: the walk oracle itself,
+   run with the same bf16 weights (on CPU), deviates from the float64 oracle by some amount on the chosen
+   tokens' logprobs; the engine may deviate by at most 2x that plus 0.02 (kernel accumulation order,
+   re-rotation rounding), and its greedy choice must be within that of the bf16 oracle's best. A wrong
+   mask, position or cache entry moves logprobs by 0.06-0.55 here (measured: removing three early tokens
+   of a prompt), far beyond the bf16 noise of a correct computation (~0.01).
+
+   That bound holds only where the computation is a smooth function of its inputs. Top-k routing is not:
+   the tiny models' routers put two experts within bf16 rounding of a tie somewhere in almost every
+   program (smallest top-k margin ~0.003 in logits, measured), and which side a rounding falls on differs
+   between the GPU's kernels and the CPU's, so now and then one implementation swaps an expert and its
+   logprobs move by 0.1-0.3 (bench/bf16_routing_noise.py measures this on the H200: RESULTS.md). The
+   test models therefore route every token to all experts (k = E, the softmax / normalised scores over
+   all of them), which keeps the experts' arithmetic and removes the discrete choice. Routing with k < E
+   is checked where it is exact: the MoE paths against float64 (tests/test_moe_paths.py) and the float32
+   engines (part 1 here; tests/test_engine_walk.py on CPU). The models are engine_helpers' sharp tiny
+   models with their matrices scaled down (x0.5 GPT-OSS, x0.35 MiniMax-M2): at full sharpness bf16
+   rounding alone flips argmaxes at ~10% of positions (measured on CPU), which would leave nothing to test.
 
 Skipped without CUDA (CI runs them as skips; run them on a GPU with `pytest -m gpu`; MINAKV_GPU_EXAMPLES
 sets the number of random programs per engine shape, 12 by default).
@@ -33,7 +42,7 @@ pytestmark = [
 ]
 
 from engine_helpers import compiles, oracle_run, programs, tiny_model
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from minakv import Engine, SamplingParams
@@ -115,6 +124,8 @@ def models(request):
     for name, p in cpu.named_parameters():
         if p.ndim >= 2 and "embed" not in name:
             p.data.mul_(SOFTEN[request.param])
+    for layer in cpu.layers:  # every expert for every token: no discrete routing choice (docstring)
+        layer.mlp.top_k = cpu.config.num_experts
     return cpu, bf16_copy(cpu), bf16_copy(cpu, "cpu")
 
 
@@ -144,6 +155,22 @@ def assert_close_to_oracle(models, segments, cache, out) -> float:
     return dev
 
 
+# Programs that failed on the H200 on 2026-11-30 with top-k routing (deviation 0.29, 0.12, 0.16 against a
+# bf16 noise of 0.005): with the Triton kernels run on CPU in float32 all three match the float64 walk to
+# 2e-6, so the engine's logic was right; they are kept as explicit examples.
+HISTORY = [
+    (
+        [[125, 256, 175, 79, 247], [125, 259], [156], [95, 178, 60], [168, 67, 127, 1]],
+        {"drop": {"3": [3]}, "reposition": [2, 4]},
+    ),
+    ([[0, 122, 88, 183, 152], [185, 179], [86]], {"drop": {"0": [0], "2": [0, 1, 2]}, "reposition": []}),
+    (
+        [[0, 262, 101, 171, 0, 79, 0, 128, 209], [3], [277, 231, 308, 113, 103, 382, 211, 81, 324]],
+        {"drop": {"0": [0], "2": [1]}, "reposition": [1, 2]},
+    ),
+]
+
+
 # no shrinking: on a GPU run, report the first failing program as drawn rather than spend minutes minimising
 @settings(
     max_examples=int(os.environ.get("MINAKV_GPU_EXAMPLES", "12")),
@@ -152,6 +179,9 @@ def assert_close_to_oracle(models, segments, cache, out) -> float:
     phases=NO_SHRINK,
 )
 @given(data=programs(), seed=st.integers(0, 2**16))
+@example(data=HISTORY[0], seed=22093)
+@example(data=HISTORY[1], seed=39215)
+@example(data=HISTORY[2], seed=1737)
 def test_bf16_random_programs_match_the_walk(engine, models, data, seed):
     segments, cache = data
     if not compiles(segments, cache):
@@ -182,38 +212,3 @@ def test_bf16_decode_graphs_match_eager(models, monkeypatch):
             assert engine.worker.graphs.failure is None and engine.worker.graphs.graphs
     for i, (a, b) in enumerate(zip(outs["0"], outs["1"])):
         assert_same_greedy(a, b, 2 * tol, tol, ("graphs vs eager", i))
-
-
-# The program that failed on the H200 on 2026-11-30 (page size 1, batched with two unrelated prompts drawn
-# from seed 22093): the engine deviated by 0.29 from the float64 oracle, the bf16 oracle by 0.006. On CPU
-# the same program is fine with the Triton kernels interpreted, with the grouped MoE, and with kernel-like
-# bf16 rounding of the attention probabilities. Each combination below isolates one GPU-only piece.
-FIRST_FAILURE = (
-    [[125, 256, 175, 79, 247], [125, 259], [156], [95, 178, 60], [168, 67, 127, 1]],
-    {"drop": {"3": [3]}, "reposition": [2, 4]},
-)
-
-
-@pytest.mark.parametrize("graphs", ["1", "0"])
-@pytest.mark.parametrize("moe_path", ["fused", "grouped", "dense"])
-def test_bf16_first_failure_by_component(graphs, moe_path, monkeypatch):
-    from minakv.model import gpt_oss
-    from minakv.ops import moe as moe_ops
-
-    cpu = tiny_model("gpt_oss")
-    for name, p in cpu.named_parameters():
-        if p.ndim >= 2 and "embed" not in name:
-            p.data.mul_(SOFTEN["gpt_oss"])
-    models = (cpu, bf16_copy(cpu), bf16_copy(cpu, "cpu"))
-    monkeypatch.setenv("MINAKV_CUDA_GRAPHS", graphs)
-    # on CUDA every MoE call takes the path under test (fused Triton kernels, grouped GEMM, or every token
-    # through every expert with bmm); the CPU oracles keep the reference loop
-    path = {"fused": moe_ops.moe_fused, "grouped": moe_ops.moe_grouped, "dense": moe_ops.moe_dense}[moe_path]
-    original = gpt_oss.moe
-    monkeypatch.setattr(gpt_oss, "moe", lambda x, *a, **k: (path if x.is_cuda else original)(x, *a, **k))
-    rng = random.Random(22093)
-    others = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(2)]
-    segments, cache = FIRST_FAILURE
-    engine = Engine(models[1], **ENGINE_SHAPES["page1"])
-    outs = engine.generate([others[0], {"segments": segments, "cache": cache}, others[1]], GREEDY)
-    assert_close_to_oracle(models, segments, cache, outs[1])

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from minakv.ops.fused_moe import moe_fused
+from minakv.ops.triton_util import use_triton
 
 DENSE_MAX_PAIRS = 4096  # moe_dense only while tokens * experts stays small (it computes every pair)
 # moe_fused up to this many (token, slot) pairs (its id scan grows with them); then the grouped GEMM
@@ -79,7 +80,7 @@ def moe(
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype."""
     args = (x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
-    if x.is_cuda and topk_ids.numel() <= FUSED_MAX_PAIRS:
+    if use_triton(x) and topk_ids.numel() <= FUSED_MAX_PAIRS:
         return moe_fused(*args)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(F, "grouped_mm"):
         return moe_grouped(*args)

@@ -27,9 +27,13 @@ def interpreter_ready() -> bool:
     return type(standard.max).__name__ == "InterpretedFunction"
 
 
+# Tests set this to run the engine through the kernels on CPU, in Triton's interpreter (see interpreting()).
+TRITON_ON_CPU = False
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """True when an op should take its Triton path (CUDA tensors); the torch reference serves the rest."""
-    return x.is_cuda
+    return x.is_cuda or (TRITON_ON_CPU and x.device.type == "cpu")
 
 
 def num_sms(device: torch.device) -> int:
