@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import Log, bench_ms, copy_bandwidth, paged_slots, rel_err
+from common import Log, bench_ms, paged_slots, rel_err, run_alone
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minakv.ops.decode_attention import decode_attention_ref, decode_attention_triton
@@ -155,10 +155,4 @@ def bench(log: Log, copy_bw: float, sweep: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    log = Log()
-    bw = copy_bandwidth()
-    log.add("bench", name="copy bandwidth 2 GiB", ms=0.0, figure=f"{bw / 1e12:.2f} TB/s", headline=True)
-    check(log)
-    bench(log, bw)
-    log.table()
-    log.save("decode.json")
+    run_alone("decode", check, bench)

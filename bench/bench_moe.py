@@ -13,7 +13,7 @@ as the engine runs decode, so launch overhead on the host is not counted; the gl
 from __future__ import annotations
 
 import torch
-from common import Log, bench_ms, copy_bandwidth, rel_err
+from common import Log, bench_ms, rel_err, run_alone
 
 from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, moe_loop, route_softmax_topk
@@ -99,9 +99,4 @@ def bench_batch(log: Log, copy_bw: float, tokens: int, sweep: bool) -> None:
 
 
 if __name__ == "__main__":
-    log = Log()
-    bw = copy_bandwidth()
-    check(log)
-    bench(log, bw)
-    log.table()
-    log.save("moe.json")
+    run_alone("moe", check, bench)

@@ -11,7 +11,7 @@ is that over time against the copy bandwidth of the same run; peers: the torch r
 from __future__ import annotations
 
 import torch
-from common import Log, bench_ms, copy_bandwidth, paged_slots, rel_err
+from common import Log, bench_ms, paged_slots, rel_err, run_alone
 
 from minakv.ops.rerotate import rerotate_copy_ref, rerotate_copy_triton
 from minakv.ops.rope import Rope
@@ -102,9 +102,4 @@ def bench(log: Log, copy_bw: float, sweep: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    log = Log()
-    bw = copy_bandwidth()
-    check(log)
-    bench(log, bw)
-    log.table()
-    log.save("rerotate.json")
+    run_alone("rerotate", check, bench)

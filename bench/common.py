@@ -77,3 +77,14 @@ class Log:
                 print(
                     f"goal  {r['name']:<48} {r['value']:.3f} (need >= {r['need']}) {'MET' if r['met'] else 'MISSED'}"
                 )
+
+
+def run_alone(name: str, check: Callable[[Log], None], bench: Callable[[Log, float], None]) -> None:
+    """A benchmark module run as a script: checks, then timings against this run's copy bandwidth."""
+    log = Log()
+    bw = copy_bandwidth()
+    log.add("bench", name="copy bandwidth 2 GiB", ms=0.0, figure=f"{bw / 1e12:.2f} TB/s", headline=True)
+    check(log)
+    bench(log, bw)
+    log.table()
+    log.save(f"{name}.json")

@@ -104,6 +104,16 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(w_ptr, expert, N, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output columns (block program_id(1) of N) and the pointers to the expert's weight
+    rows for them at k = 0..BLOCK_K-1 (weights stored (out, in): a row per output column)."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    return offs_n, offs_n < N, offs_k, w_rows
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, b_ptr, ids_ptr, h_ptr,
     num_pairs, H, I, TOPK, limit, alpha,
@@ -115,12 +125,8 @@ def _gate_up_kernel(
     mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
     if count == 0:
         return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    # gate rows n and up rows I + n of this expert: the same output columns of h
-    w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-    w_up = w_gate + I * stride_wn
+    offs_n, n_ok, offs_k, w_gate = _weight_tile(w_ptr, expert, I, stride_we, stride_wn, BLOCK_N, BLOCK_K)
+    w_up = w_gate + I * stride_wn  # up rows I + n: the same output columns of h as gate rows n
     if HAS_BIAS:
         b_gate = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         b_up = tl.load(b_ptr + expert * stride_be + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -162,10 +168,7 @@ def _down_kernel(
     mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
     if count == 0:
         return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    offs_n, n_ok, offs_k, w_rows = _weight_tile(w_ptr, expert, H, stride_we, stride_wn, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     for m0 in range(0, count, BLOCK_M):
