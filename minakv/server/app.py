@@ -44,6 +44,7 @@ from minakv.server.protocol import (
 from minakv.server.running import (
     bad_prompt,
     check_failed,
+    close_sse,
     finish,
     new_id,
     open_sse,
@@ -180,8 +181,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await send([ChunkChoice(0, Delta(), parser.finish_reason(out.finish_reason))])
         if with_usage:
             await send([], usage_info(out))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        await close_sse(response)
         return response
     finally:
         await finish(engine, stream, rid, done)
@@ -239,8 +239,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if req.stream_options and req.stream_options.include_usage:
             chunk = Completion(rid, created, model, [], usage_info(out))
             await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        await close_sse(response)
         return response
     finally:
         await finish(engine, stream, rid, done)

@@ -91,6 +91,11 @@ async def write_stream_error(response: web.StreamResponse) -> None:
     """A failure after the stream started: an error event (as vLLM and OpenAI send), then the end."""
     err = RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
     await response.write(b"data: " + error_body(err) + b"\n\n")
+    await close_sse(response)
+
+
+async def close_sse(response: web.StreamResponse) -> None:
+    """The end of an event stream: the `[DONE]` sentinel OpenAI clients wait for, then EOF."""
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
 
