@@ -41,9 +41,9 @@ from common import copy_bandwidth
 from minakv import Engine, SamplingParams
 from minakv.model import make_empty_model
 from minakv.model.config import ModelConfig
-from minakv.model.context import DenseContext
 from minakv.model.layers import RMSNorm
 from minakv.ops import moe as moe_ops
+from minakv.reference.dense import DenseContext
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: only a smoke test of the script (--tiny)
 TINY = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -195,12 +195,12 @@ def profile(model, prompts: list[list[int]], out_dir: str, steps: int = 6) -> No
         engine.scheduler.add(
             engine._make(p, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
         )
-    engine.scheduler.step()  # prefill (and the first token) outside the profile
+    engine.step()  # prefill (and the first token) outside the profile
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         for _ in range(steps):
-            engine.scheduler.step()
+            engine.step()
         sync()
     sort = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)

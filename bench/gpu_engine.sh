@@ -2,7 +2,7 @@
 # One device call for the engine's GPU path: the GPU tests (kernels not covered by bench/run_h200.py, MoE
 # paths, model logits, the engine), then the end-to-end decode benchmark (bench/e2e_decode.py). Logs go to $OUT.
 # The tiny presets cannot be built there (no quicktok-v1): build them here into .cache/minakv, e.g.
-#   MINAKV_CACHE=$PWD/.cache/minakv python -c "from minakv.model.presets import resolve_model as r; r('tiny-gpt-oss'); r('tiny-minimax-m2')"
+#   MINAKV_CACHE=$PWD/.cache/minakv python -c "from minakv.presets import resolve_model as r; r('tiny-gpt-oss'); r('tiny-minimax-m2')"
 # drop tiny-gpt-oss's tokenizer.json (11 MB, unused by token-id prompts), and carry .cache/minakv/presets.
 set -u
 cd "$(dirname "$0")/.."

@@ -1,7 +1,7 @@
 """Host time of the scheduler per decode step (no model compute): what the GPU waits for between steps.
 
-The worker is replaced by a stub that returns token 0 for every sample row, so the figure is the Python
-work of planning, batching and bookkeeping alone: `Scheduler.step` minus the forward pass. Run on CPU:
+No worker runs: each step is `schedule()` then `update()` with token 0 for every sample row, so the figure
+is the Python work of planning, batching and bookkeeping alone. Run on CPU:
 
     python bench/scheduler_host.py --batch 32 --context 8192
 """
@@ -14,7 +14,7 @@ import time
 from minakv import Engine, SamplingParams
 from minakv.model import build_model
 from minakv.model.config import ModelConfig
-from minakv.scheduler.worker import StepResult
+from minakv.worker.worker import StepResult
 
 CONFIG = {
     "architectures": ["GptOssForCausalLM"], "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": 2,
@@ -31,20 +31,23 @@ def main() -> None:
     args = parser.parse_args()
     model = build_model(ModelConfig.from_hf(CONFIG), device="cpu")
     engine = Engine(model, page_size=16, kv_cache_tokens=args.batch * (args.context + args.steps + 64))
-    engine.worker.step = lambda batch: StepResult(
-        [0] * len(batch.sample_rows), [None] * len(batch.sample_rows)
-    )
     prompts = [[(i * 7 + j) % 1024 for j in range(args.context)] for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)
     scheduler = engine.scheduler
     for p in prompts:  # straight into the scheduler: this measures it, not the engine's thread
         scheduler.add(engine._make(p, params))
+
+    def step() -> None:
+        batch = scheduler.schedule()
+        n = len(batch.sample_rows)
+        scheduler.update(batch, StepResult([0] * n, [None] * n))
+
     while any(r.cursor < len(r.todo) or r.plan is None for r in [*scheduler.waiting, *scheduler.running]):
-        scheduler.step()  # admission and prefill (no compute)
+        step()  # admission and prefill (no compute)
     times = []
     while scheduler.has_work():
         start = time.perf_counter()
-        scheduler.step()
+        step()
         times.append(time.perf_counter() - start)
     times.sort()
     median = times[len(times) // 2]

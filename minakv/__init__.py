@@ -6,7 +6,8 @@ print(engine.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0]
 """
 
 from minakv.engine import Engine, Overloaded
-from minakv.sampling import RequestOutput, SamplingParams, Usage
+from minakv.outputs import RequestOutput, Usage
+from minakv.params import SamplingParams
 
 __all__ = ["Engine", "Overloaded", "RequestOutput", "SamplingParams", "Usage"]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from minakv.model.presets import DEFAULT_MODEL, PRESETS
+from minakv.presets import DEFAULT_MODEL, PRESETS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -42,7 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_build_tiny(args: argparse.Namespace) -> int:
-    from minakv.model.tiny import build_tiny
+    from minakv.presets.tiny import build_tiny
 
     path = build_tiny(args.preset, args.path, seed=args.seed, quant=args.quant)
     print(path)

@@ -3,7 +3,8 @@
     engine = Engine("tiny-gpt-oss")
     outs = engine.generate(["Hello", [1, 2, 3], {"segments": [[...], [...]], "cache": {"drop": {"1": [0]}}}])
 
-`generate` drives the scheduler synchronously. `stream` (async) hands requests to a background thread that
+One step is `scheduler.schedule()` -> `worker.step(batch)` -> `scheduler.update(batch, result)`.
+`generate` drives steps synchronously. `stream` (async) hands requests to a background thread that
 steps the scheduler whenever there is work, and delivers increments back to the event loop. Requests enter
 the scheduler through an inbox, so the scheduler itself is only ever touched by one thread at a time.
 """
@@ -23,12 +24,13 @@ import torch
 
 from minakv.config import EngineConfig
 from minakv.model import CausalLM, default_device_dtype, load_model
-from minakv.model.tokenizer import Tokenizer
+from minakv.outputs import RequestOutput
+from minakv.params import SamplingParams
 from minakv.prompt import make_request
-from minakv.sampling import RequestOutput, SamplingParams
 from minakv.scheduler.request import Request
 from minakv.scheduler.scheduler import Scheduler
-from minakv.scheduler.worker import Worker, kv_bytes_per_token
+from minakv.text.tokenizer import Tokenizer
+from minakv.worker.worker import Worker, kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class Engine:
             dtype = model.embed_tokens.weight.dtype
             device = model.embed_tokens.weight.device
         else:
-            from minakv.model.presets import resolve_model
+            from minakv.presets import resolve_model
 
             path = resolve_model(config.model)
             dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
@@ -82,7 +84,7 @@ class Engine:
         per_token = kv_bytes_per_token(self.model, dtype)
         num_pages = max(1, pool_tokens(config, per_token, device) // config.page_size)
         self.worker = Worker(self.model, num_pages * config.page_size, cuda_graphs=config.cuda_graphs)
-        self.scheduler = Scheduler(config, self.worker, num_pages, self.tokenizer, self.max_model_len)
+        self.scheduler = Scheduler(config, num_pages, per_token, self.tokenizer, self.max_model_len)
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -114,7 +116,7 @@ class Engine:
         done: dict[str, RequestOutput] = {}
         start, tokens = time.perf_counter(), 0
         while len(done) < len(requests):
-            for r in self.scheduler.step():
+            for r in self.step():
                 if r.finish_reason is not None:
                     done[r.request_id] = r.output(incremental=False)
                     tokens += len(r.output_ids)
@@ -180,6 +182,12 @@ class Engine:
         with self._step_lock:
             self.scheduler.check()
 
+    def step(self) -> list[Request]:
+        """One engine step: schedule a batch, run it on the worker, apply the results. Returns the requests
+        with news (new tokens, or finished). Only one thread steps at a time (`generate` or the loop)."""
+        batch = self.scheduler.schedule()
+        return self.scheduler.update(batch, self.worker.step(batch))
+
     # ----- internals -----
     def _make(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         params.check()
@@ -215,7 +223,7 @@ class Engine:
             if self.scheduler.has_work():
                 try:
                     with self._step_lock:
-                        changed += self.scheduler.step()
+                        changed += self.step()
                 except Exception as exc:
                     logger.exception("engine step failed; failing the running requests")
                     with self._step_lock:

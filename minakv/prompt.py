@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 from minakv.cache.program import compile_program
-from minakv.model.chat import render
 from minakv.model.config import ModelConfig
-from minakv.sampling import SamplingParams
+from minakv.params import SamplingParams
 from minakv.scheduler.request import Request
+from minakv.text.chat import render
 
 
 def _token_list(value: Any, field: str, vocab_size: int) -> list[int]:

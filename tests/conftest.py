@@ -43,6 +43,6 @@ def minakv_cache() -> Path:
 def tiny_dir(minakv_cache: Path):
     """tiny_dir("tiny-gpt-oss") -> the preset's checkpoint directory, built once per session (presets:
     tiny-gpt-oss, tiny-gpt-oss-mxfp4, tiny-minimax-m2, tiny-minimax-m2-fp8)."""
-    from minakv.model.presets import resolve_model
+    from minakv.presets import resolve_model
 
     return resolve_model

@@ -8,11 +8,11 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from minakv.cache.oracle import WalkOracle
 from minakv.cache.program import compile_program
 from minakv.model import build_model
 from minakv.model.config import ModelConfig
-from minakv.sampling import RequestOutput
+from minakv.outputs import RequestOutput
+from minakv.reference.oracle import WalkOracle
 
 GPT_OSS = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 384, "hidden_size": 64,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from minakv.cache.keys import page_keys
-from minakv.cache.oracle import WalkOracle
 from minakv.cache.program import compile_program
 from minakv.model import ModelConfig, build_model
-from minakv.model.context import DenseContext
+from minakv.reference.dense import DenseContext
+from minakv.reference.oracle import WalkOracle
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
         "beta_slow": 1.0}  # fmt: skip

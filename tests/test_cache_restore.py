@@ -18,12 +18,12 @@ from test_cache_program import WalkError, requests, walk
 
 from minakv.cache.index import PageIndex
 from minakv.cache.keys import page_keys
-from minakv.cache.oracle import WalkOracle
 from minakv.cache.pool import PagePool
 from minakv.cache.program import compile_program
 from minakv.cache.restore import cached_tokens, plan_restore
-from minakv.cache.segments import SegmentContext, StoredKV
 from minakv.ops.rope import apply_rope, rerotate
+from minakv.reference.oracle import WalkOracle
+from minakv.reference.segments import SegmentContext, StoredKV
 
 
 def reads(seen, q, t, window):

@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from minakv.model.chat import ChatError, count_spanning, normalize_message, render, render_spans
-from minakv.model.tokenizer import Tokenizer, gpt_oss_tokenizer_json, o200k_tiktoken_file
+from minakv.text.chat import ChatError, count_spanning, normalize_message, render, render_spans
+from minakv.text.tokenizer import Tokenizer, gpt_oss_tokenizer_json, o200k_tiktoken_file
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "data" / "chat_templates"
 DATE = "2026-11-30"

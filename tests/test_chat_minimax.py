@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minakv.model.chat import count_spanning, normalize_message, render, render_spans
-from minakv.model.tiny import minimax_tokenizer
-from minakv.model.tokenizer import Tokenizer
+from minakv.presets.tiny import minimax_tokenizer
+from minakv.text.chat import count_spanning, normalize_message, render, render_spans
+from minakv.text.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "data" / "chat_templates"
 

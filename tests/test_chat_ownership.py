@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from minakv.model.chat import ChatError, Rendered, count_spanning, render, render_spans
-from minakv.model.tiny import GPT_OSS_TEMPLATE, MINIMAX_TEMPLATE, minimax_tokenizer
-from minakv.model.tokenizer import Tokenizer
+from minakv.presets.tiny import GPT_OSS_TEMPLATE, MINIMAX_TEMPLATE, minimax_tokenizer
+from minakv.text.chat import ChatError, Rendered, count_spanning, render, render_spans
+from minakv.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

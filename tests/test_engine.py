@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minakv import Engine, SamplingParams
-from minakv.model.presets import resolve_model
+from minakv.presets import resolve_model
 
 transformers = pytest.importorskip("transformers")
 

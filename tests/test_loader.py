@@ -15,9 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 from test_model_parity import quantise_checkpoint, rel_err, save_hf
 
-from minakv.model import generate_greedy, load_model
-from minakv.model.context import DenseContext
+from minakv.model import load_model
 from minakv.model.loader import CheckpointError, resolve_path
+from minakv.reference.dense import DenseContext, generate_greedy
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_shard_index_pointing_to_a_missing_file(tiny: dict[str, Path], tmp_path:
 
 
 def test_where_models_come_from(tiny: dict[str, Path], tmp_path: Path) -> None:
-    """Directories, built-in presets (minakv.model.presets) and clear errors for anything else."""
+    """Directories, built-in presets (minakv.presets) and clear errors for anything else."""
     assert resolve_path(tiny["gpt_oss"]) == tiny["gpt_oss"]
     model = load_model("tiny-minimax-m2", device="cpu")
     assert model.config.arch == "minimax_m2" and len(generate_greedy(model, [5, 6, 7], 3, stop_ids=[])) == 3

@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_model_parity import checkpoints, rel_err  # noqa: F401  (checkpoints is a fixture)
 
-from minakv.model import generate_greedy, load_model
-from minakv.model.context import DenseContext
+from minakv.model import load_model
+from minakv.reference.dense import DenseContext, generate_greedy
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from minakv.model import generate_greedy, load_model
-from minakv.model.context import DenseContext
+from minakv.model import load_model
 from minakv.model.quant import quantize_fp8_block, quantize_mxfp4
+from minakv.reference.dense import DenseContext, generate_greedy
 
 WINDOW = 5
 TOL = 1e-4

@@ -15,18 +15,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minakv.model.chat import normalize_message, render_spans
-from minakv.model.parsers import (
-    Delta,
+from minakv.text.chat import normalize_message, render_spans
+from minakv.text.parsers import (
     HarmonyParser,
     MiniMaxParser,
     ParsedOutput,
+    Piece,
     collect,
     convert,
     make_parser,
     parse_output,
 )
-from minakv.model.tokenizer import o200k_tiktoken_file
+from minakv.text.tokenizer import o200k_tiktoken_file
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "data" / "chat_templates"
 
@@ -98,22 +98,22 @@ def check_same(parsed: ParsedOutput, reply: dict) -> None:
     assert len({c.id for c in parsed.tool_calls}) == len(parsed.tool_calls)
 
 
-def stream(parser, text: str, cuts: list[int]) -> list[Delta]:
-    deltas, at = [], 0
+def stream(parser, text: str, cuts: list[int]) -> list[Piece]:
+    pieces, at = [], 0
     for cut in [*sorted(cuts), len(text)]:
-        deltas += parser.feed(text[at:cut])
+        pieces += parser.feed(text[at:cut])
         at = cut
-    return deltas + parser.finish()
+    return pieces + parser.finish()
 
 
 def check_streaming(make, text: str, cuts: list[int]) -> None:
     """Streaming over the given split points equals the one-shot parse, and every emitted prefix of
     reasoning/content stays a prefix of the final value (nothing emitted is later taken back)."""
     whole = make().parse(text)
-    deltas = stream(make(), text, cuts)
-    assert collect(deltas) == whole
+    pieces = stream(make(), text, cuts)
+    assert collect(pieces) == whole
     so_far = {"reasoning": "", "content": ""}
-    for d in deltas:
+    for d in pieces:
         if d.kind in so_far:
             so_far[d.kind] += d.text
             final = whole.reasoning_content if d.kind == "reasoning" else whole.content
@@ -235,8 +235,8 @@ def test_gpt_oss_streaming_any_split(gpt_oss_outputs, data):
 
 def test_gpt_oss_streaming_deltas_shape(gpt_oss_outputs):
     text, _ = gpt_oss_outputs["template_tool_call"]
-    deltas = stream(HarmonyParser(id_prefix="x_"), text, list(range(0, len(text), 7)))
-    calls = [d for d in deltas if d.kind == "tool_call"]
+    pieces = stream(HarmonyParser(id_prefix="x_"), text, list(range(0, len(text), 7)))
+    calls = [d for d in pieces if d.kind == "tool_call"]
     assert calls[0].id == "x_0" and calls[0].name == "get_weather"  # header first, then argument pieces
     assert all(d.id is None and d.name is None for d in calls[1:]) and len(calls) > 2
 

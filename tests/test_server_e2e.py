@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from minakv.engine import Engine
-from minakv.sampling import SamplingParams
+from minakv.params import SamplingParams
 from minakv.server.app import make_app
 
 MODEL = "tiny-minimax-m2"
@@ -212,7 +212,7 @@ def test_tool_call_history_equals_generate(engine: Engine, client: openai.OpenAI
     ref = greedy(engine, {"messages": HISTORY, "tools": TOOLS}, 5)
     assert chat_bytes(resp) == token_bytes(engine, ref)
     # the history really reached the template: the prompt holds the tool call, the result and the tools
-    from minakv.model.chat import render
+    from minakv.text.chat import render
 
     rendered = render(HISTORY, engine.tokenizer, tools=TOOLS)
     assert resp.usage.prompt_tokens == len(rendered.token_ids)
@@ -276,7 +276,7 @@ def hand_thinking_drop(
     """thinking_drop built by hand (the reference): the smallest run of message `index`'s tokens whose text
     holds `reasoning` becomes its own segment, every message and the generation prompt one segment each,
     and the reasoning segment is dropped at the end of its message. Returns (prompt, prompt length)."""
-    from minakv.model.chat import render
+    from minakv.text.chat import render
 
     rendered = render(msgs, tokenizer, tools=tools)
     ids, owners = rendered.token_ids, rendered.owners
@@ -445,16 +445,16 @@ def test_engine_failure_is_a_500_and_the_server_goes_on(
     engine: Engine, client: openai.OpenAI, monkeypatch
 ) -> None:
     wait_idle(engine)
-    real_step = engine.scheduler.step
+    real_step = engine.worker.step
     calls = {"n": 0}
 
-    def failing_step():
+    def failing_step(batch):
         calls["n"] += 1
         if calls["n"] in (1, 3):
             raise RuntimeError("injected failure")
-        return real_step()
+        return real_step(batch)
 
-    monkeypatch.setattr(engine.scheduler, "step", failing_step)
+    monkeypatch.setattr(engine.worker, "step", failing_step)
     msgs = [{"role": "user", "content": "fail once"}]
     with pytest.raises(openai.InternalServerError) as info:
         client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3)

@@ -17,8 +17,7 @@ import pytest
 from openai.types.chat import ChatCompletion as OpenAIChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChunk
 
-from minakv.model.chat import normalize_message, render_spans
-from minakv.sampling import RequestOutput, Usage
+from minakv.outputs import RequestOutput, Usage
 from minakv.server.output import ChatParser
 from minakv.server.protocol import (
     ChatChoice,
@@ -28,6 +27,7 @@ from minakv.server.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from minakv.text.chat import normalize_message, render_spans
 
 WEATHER = {
     "type": "function",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minakv.cache.program import compile_program
-from minakv.server.ops import parse_cache_ops, split_segments, to_segments
+from minakv.server.cache_ops import parse_cache_ops, split_segments, to_segments
 from minakv.server.prompts import chat_prompt, completion_prompt, sampling_params
 from minakv.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, decode_request
 
@@ -192,9 +192,9 @@ def test_message_ops_renumbered_into_segments() -> None:
 def test_thinking_drop_flags_exactly_the_reasoning(reasoning: str, inline: bool) -> None:
     """The reasoning segment is exactly the reasoning as rendered, even when the same text also occurs in
     the header (MiniMax's assistant header is `]~b]ai`), given as reasoning_content or inline <think>."""
-    from minakv.model.presets import resolve_model
-    from minakv.model.tokenizer import Tokenizer
+    from minakv.presets import resolve_model
     from minakv.server.prompts import thinking_drop_prompt
+    from minakv.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(resolve_model("tiny-minimax-m2"))
     reply = {"role": "assistant", "content": "a reply", "reasoning_content": reasoning}

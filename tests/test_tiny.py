@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from minakv.model.presets import PRESETS, resolve_model
-from minakv.model.tiny import build_tiny
+from minakv.presets import PRESETS, resolve_model
+from minakv.presets.tiny import build_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,7 +51,7 @@ def test_bad_arguments(tmp_path: Path):
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_loads_in_transformers_and_minakv(tiny_dir, name: str):
     from minakv.model import load_model
-    from minakv.model.context import DenseContext
+    from minakv.reference.dense import DenseContext
 
     path = tiny_dir(name)
     config = transformers.AutoConfig.from_pretrained(path)
@@ -101,7 +101,7 @@ def test_everything_is_exercised(tiny_dir, name: str):
 
 
 def test_gpt_oss_generation_config_and_stop_tokens(tiny_dir):
-    from minakv.model.tokenizer import Tokenizer
+    from minakv.text.tokenizer import Tokenizer
 
     path = tiny_dir("tiny-gpt-oss")
     gen = json.loads((path / "generation_config.json").read_text())
@@ -113,7 +113,7 @@ def test_gpt_oss_generation_config_and_stop_tokens(tiny_dir):
 
 def test_gpt_oss_template_matches_harmony(tiny_dir, monkeypatch: pytest.MonkeyPatch):
     harmony = pytest.importorskip("openai_harmony")
-    from minakv.model.tokenizer import o200k_tiktoken_file
+    from minakv.text.tokenizer import o200k_tiktoken_file
 
     monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(o200k_tiktoken_file().parent))
     enc = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
@@ -181,7 +181,7 @@ def test_minimax_template_format(tiny_dir):
 
 
 def test_presets_build_once_even_concurrently(tmp_path: Path):
-    env_code = "from minakv.model.presets import resolve_model; print(resolve_model('tiny-minimax-m2-fp8'))"
+    env_code = "from minakv.presets import resolve_model; print(resolve_model('tiny-minimax-m2-fp8'))"
     env = {**__import__("os").environ, "MINAKV_CACHE": str(tmp_path)}
     procs = [
         subprocess.Popen([sys.executable, "-c", env_code], env=env, stdout=subprocess.PIPE, text=True)

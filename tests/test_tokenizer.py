@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from minakv.model.tokenizer import (
+from minakv.text.tokenizer import (
     O200K_PATTERN,
     O200K_SHA256,
     O200K_VOCAB_SIZE,
@@ -154,7 +154,7 @@ def test_harmony_renders_offline_with_our_file(tok: Tokenizer, monkeypatch: pyte
 
 
 def test_wrong_vocabulary_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    import minakv.model.tokenizer as mt
+    import minakv.text.tokenizer as mt
 
     tokens = mt.read_o200k_ranks()
     tokens[5], tokens[6] = tokens[6], tokens[5]
@@ -202,7 +202,7 @@ def test_random_unicode_like_tiktoken(tok: Tokenizer, tiktoken_enc):
 def test_from_dir_config_forms(tmp_path: Path):
     """tokenizer_config.json variants seen in the wild: special tokens as {"content": ...} dicts, a list of
     named chat templates; a chat_template.jinja file wins over both; a missing tokenizer.json is named."""
-    from minakv.model.tiny_text import minimax_tokenizer
+    from minakv.presets.tiny_text import minimax_tokenizer
 
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)

@@ -3,18 +3,15 @@
 `build_model(config)` / `load_model(path_or_repo)` return a `CausalLM` (GptOssModel or MiniMaxM2Model):
 `model(input_ids [T], ctx) -> hidden [T, H]`, `model.compute_logits(hidden) -> float32 [T, V]`,
 `model.config`, `model.rope`, `model.layers[i].self_attn.spec` (the layer's `AttentionLayer`).
-`generate_greedy` is the plain single-sequence loop used before the engine exists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from minakv.model.config import ModelConfig
-from minakv.model.context import DenseContext
 from minakv.model.gpt_oss import GptOssModel
 from minakv.model.layers import CausalLM, RMSNorm
 from minakv.model.minimax_m2 import MiniMaxM2Model
@@ -24,7 +21,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {"gpt_oss": GptOssModel, "minimax_m2"
 
 __all__ = [
     "CausalLM", "GptOssModel", "MiniMaxM2Model", "Model", "ModelConfig",
-    "build_model", "default_device_dtype", "generate_greedy", "load_model", "make_empty_model",
+    "build_model", "default_device_dtype", "load_model", "make_empty_model",
 ]  # fmt: skip
 
 
@@ -86,27 +83,3 @@ def load_model(
     from minakv.model.loader import load_model as _load
 
     return _load(model, device=device, dtype=dtype)
-
-
-@torch.inference_mode()
-def generate_greedy(
-    model: CausalLM, prompt_ids: Iterable[int], max_new_tokens: int, stop_ids: Iterable[int] | None = None
-) -> list[int]:
-    """Greedy decoding of one sequence with a DenseContext; returns the new tokens (a stop token, by
-    default one of the config's eos ids, is included and ends the loop)."""
-    stop = set(model.config.eos_token_ids if stop_ids is None else stop_ids)
-    device = model.embed_tokens.weight.device
-    ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
-    if ids.numel() == 0:
-        raise ValueError("generate_greedy needs a non-empty prompt")
-    ctx = DenseContext()
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        ctx.advance(ids.numel())
-        hidden = model(ids, ctx)
-        token = int(model.compute_logits(hidden[-1:]).argmax(dim=-1))
-        out.append(token)
-        if token in stop:
-            break
-        ids = torch.tensor([token], dtype=torch.long, device=device)
-    return out

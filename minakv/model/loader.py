@@ -165,8 +165,8 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device) -> Non
 
 def resolve_path(model: str | Path) -> Path:
     """A local directory, a built-in preset name or a hub repo id -> a local checkpoint directory
-    (minakv.model.presets owns that mapping; imported here lazily, since it pulls in the tokenizer)."""
-    from minakv.model.presets import resolve_model
+    (minakv.presets owns that mapping; imported here lazily, since it pulls in the tokenizer)."""
+    from minakv.presets import resolve_model
 
     return Path(resolve_model(model))
 

@@ -20,9 +20,10 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
+from minakv.cache.plan import Entry, Plan
 from minakv.cache.program import Program
-from minakv.sampling import RequestOutput, SamplingParams, TokenLogprob, Usage
-from minakv.scheduler.plan import Entry, Plan
+from minakv.outputs import RequestOutput, TokenLogprob, Usage
+from minakv.params import SamplingParams
 
 _ids = itertools.count()
 

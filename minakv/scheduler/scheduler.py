@@ -1,30 +1,36 @@
 """Continuous batching over the paged KV pool.
 
-Each `step()` admits waiting requests while the pool can hold them, builds one forward batch (a decode token
-for every request that is generating, then prefill chunks under the token budget), runs it on the worker and
-applies the sampled tokens. Finished requests publish their full pages to the cache index, so a later request
-with the same history (tokens *and* operations) starts from them. When pages run out, unreferenced cached
-pages are evicted first; if that is not enough the youngest running request is preempted (its computed pages
-go to the cache, and it is recomputed later, usually from those very pages).
+The engine drives one step as three calls, as nano-vllm's `LLMEngine` and vLLM's `EngineCore` do:
+
+    batch = scheduler.schedule()     admit waiting requests, build one ForwardBatch (decode tokens first,
+                                     then prefill chunks under the token budget)
+    result = worker.step(batch)      the forward and the sampled tokens
+    changed = scheduler.update(batch, result)   apply the tokens, finish requests
+
+Finished requests publish their full pages to the cache index, so a later request with the same history
+(tokens *and* operations) starts from them. When pages run out, unreferenced cached pages are evicted first;
+if that is not enough the youngest running request is preempted (its computed pages go to the cache, and it
+is recomputed later, usually from those very pages).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from minakv.cache.kvcache import KVCache
+from minakv.cache.plan import Entry, entries_to_compute, plan_request, record
 from minakv.config import EngineConfig
-from minakv.scheduler.batch import ForwardBatch
-from minakv.scheduler.kvcache import KVCache
-from minakv.scheduler.plan import Entry, entries_to_compute, plan_request, record
 from minakv.scheduler.request import Request, Status
 from minakv.scheduler.stops import apply_token
-from minakv.scheduler.worker import Worker
+from minakv.worker.batch import ForwardBatch
+from minakv.worker.worker import StepResult
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, worker: Worker, num_pages: int, tokenizer, max_model_len: int):
+    def __init__(
+        self, config: EngineConfig, num_pages: int, kv_bytes_per_entry: int, tokenizer, max_model_len: int
+    ) -> None:
         self.config = config
-        self.worker = worker
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.page_size = config.page_size
@@ -35,8 +41,8 @@ class Scheduler:
         names = ("requests", "prompt_tokens", "output_tokens", "cache_hit_tokens", "prefill_tokens",
                  "preemptions", "decode_tokens", "decode_kv_entries", "errors")  # fmt: skip
         self.counters = dict.fromkeys(names, 0)
-        k = worker.k_cache
-        self.kv_bytes_per_entry = 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
+        self.kv_bytes_per_entry = kv_bytes_per_entry
+        self.failed: list[Request] = []  # requests that ended at admission, reported by the next update
 
     # ----- queue management -----
     @property
@@ -66,19 +72,19 @@ class Scheduler:
             self._finish(r, "error")
         return failed
 
-    # ----- one step -----
-    def step(self) -> list[Request]:
-        changed = self._admit()
+    # ----- one step: schedule, (the worker runs the batch), update -----
+    def schedule(self) -> ForwardBatch:
+        """Admit what fits and build the next forward batch (it may be empty: nothing to compute)."""
+        self.failed += self._admit()
         decoding = [r for r in self.running if r.cursor == len(r.todo)]
         for r in decoding:  # reserve decode pages first: this may preempt the youngest requests
             if r.status is Status.RUNNING:
                 self._ensure_pages(r, len(r.entries) + 1)
         batch = ForwardBatch()
-        scheduled: list[tuple[Request, int, bool]] = []  # (request, cursor after the step, samples)
         for r in decoding:
             if r.status is Status.RUNNING:
                 self._schedule_decode(r, batch)
-                scheduled.append((r, r.cursor, True))
+                batch.scheduled.append((r, r.cursor, True))
         budget = self.config.max_num_batched_tokens - batch.num_tokens
         for r in self.running:
             if budget <= 0:
@@ -87,11 +93,16 @@ class Scheduler:
                 end, computed, samples = self._schedule_prefill(r, batch, budget)
                 budget -= computed
                 self.counters["prefill_tokens"] += computed
-                scheduled.append((r, end, samples))
+                batch.scheduled.append((r, end, samples))
         batch.release_ids, self.released = self.released, []
-        result = self.worker.step(batch)
+        return batch
+
+    def update(self, batch: ForwardBatch, result: StepResult) -> list[Request]:
+        """Advance the scheduled requests past the step and apply their sampled tokens; returns the
+        requests with news for their callers (new tokens, or finished)."""
+        changed, self.failed = self.failed, []
         row = 0
-        for r, cursor, samples in scheduled:
+        for r, cursor, samples in batch.scheduled:
             r.cursor = cursor
             if not samples:
                 continue
@@ -120,7 +131,7 @@ class Scheduler:
         batch.input_ids.append(r.all_ids[t])
         batch.positions.append(entry.position)
         batch.slots.append(self._slot(r, len(r.entries) - 1))
-        batch.add_keys(r.decode_slots, r.decode_pos)  # kept incrementally: O(1) Python work per step
+        batch.add_keys(r.decode_slots, r.decode_pos)
         batch.num_decode += 1
         self._sample_last(batch, r)
         self.counters["decode_tokens"] += 1

@@ -7,7 +7,7 @@ would reach the model's limit.
 
 from __future__ import annotations
 
-from minakv.sampling import TokenLogprob
+from minakv.outputs import TokenLogprob
 from minakv.scheduler.request import Request
 
 

@@ -22,8 +22,8 @@ from aiohttp import web
 
 from minakv.engine import Engine
 from minakv.server import output, prompts
+from minakv.server.cache_ops import has_cache_ops
 from minakv.server.metrics import prometheus_text
-from minakv.server.ops import has_cache_ops
 from minakv.server.protocol import (
     ChatChoice,
     ChatCompletion,

@@ -1,7 +1,7 @@
 """Engine increments -> OpenAI response pieces: parsed chat messages and deltas, and logprobs.
 
 The model writes one text stream; a chat response separates it into `reasoning_content`, `content` and
-`tool_calls` with the family's output parser (minakv/model/parsers.py: harmony channels for GPT-OSS,
+`tool_calls` with the family's output parser (minakv/text/parsers.py: harmony channels for GPT-OSS,
 `<think>` and `<minimax:tool_call>` for MiniMax-M2). Streaming feeds the same parser increment by
 increment, so the deltas add up to the non-streamed message.
 """
@@ -12,10 +12,7 @@ import functools
 import uuid
 from typing import Any
 
-from minakv.model import parsers
-from minakv.model.parsers import make_parser
-from minakv.model.tokenizer import byte_to_unicode
-from minakv.sampling import RequestOutput, TokenLogprob
+from minakv.outputs import RequestOutput, TokenLogprob
 from minakv.server.protocol import (
     ChoiceLogprobs,
     CompletionLogprobs,
@@ -28,6 +25,9 @@ from minakv.server.protocol import (
     ToolCallOut,
     TopLogprob,
 )
+from minakv.text import parsers
+from minakv.text.parsers import make_parser
+from minakv.text.tokenizer import byte_to_unicode
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,10 +103,10 @@ class ChatParser:
         request's tools (MiniMax types parameter values by their schema)."""
         self.tokenizer = tokenizer
         self.parser = make_parser(arch, tools, id_prefix=f"call_{uuid.uuid4().hex[:16]}_")
-        self.parsed: list[parsers.Delta] = []
+        self.parsed: list[parsers.Piece] = []
         self.lps: list[TokenLogprob] | None = None
 
-    def step(self, out: RequestOutput) -> list[parsers.Delta]:
+    def step(self, out: RequestOutput) -> list[parsers.Piece]:
         if out.logprobs is not None:
             self.lps = (self.lps or []) + out.logprobs
         new = self.parser.feed(out.text)
@@ -138,7 +138,7 @@ class ChatParser:
         return ChoiceLogprobs(chat_logprobs(self.tokenizer, self.lps)) if self.lps is not None else None
 
 
-def wire_delta(d: parsers.Delta) -> Delta:
+def wire_delta(d: parsers.Piece) -> Delta:
     if d.kind == "reasoning":
         return Delta(reasoning_content=d.text)
     if d.kind == "content":

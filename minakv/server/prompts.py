@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from minakv.sampling import SamplingParams
-from minakv.server.ops import (
+from minakv.params import SamplingParams
+from minakv.server.cache_ops import (
     CacheOps,
     parse_cache_ops,
     reasoning_flags,
@@ -150,7 +150,7 @@ def thinking_drop_prompt(tokenizer: Any, prompt: dict[str, Any], ops: CacheOps) 
     """thinking_drop as a segments prompt (see ops.py): render once, locate each assistant message's
     reasoning by rendering again with sentinels in its place (text only, no tokenizing), cut the tokens at
     reasoning boundaries, renumber the operations into segment ids."""
-    from minakv.model.chat import normalize_message, render, render_spans
+    from minakv.text.chat import normalize_message, render, render_spans
 
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("thinking_drop needs a model with a tokenizer and a chat template", "drop_rule")

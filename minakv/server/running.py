@@ -14,8 +14,9 @@ from aiohttp import web
 
 from minakv.cache.program import CacheOpError
 from minakv.engine import Engine, Overloaded
-from minakv.sampling import RequestOutput, SamplingParams
-from minakv.server.ops import CacheOps
+from minakv.outputs import RequestOutput
+from minakv.params import SamplingParams
+from minakv.server.cache_ops import CacheOps
 from minakv.server.protocol import PromptTokensDetails, RequestError, UsageInfo, error_body
 
 FIELD = re.compile(r"^((?:messages|tools)(?:\[\d+\])?(?:\.\w+|\[\d+\])*)")

@@ -23,7 +23,8 @@ from itertools import pairwise
 import torch
 
 from minakv.model import CausalLM
-from minakv.scheduler.batch import ForwardBatch, PagedContext, host_int64
+from minakv.worker.batch import ForwardBatch, host_int64
+from minakv.worker.paged import PagedContext
 
 MIN_KEY_BUCKET = 256
 

@@ -4,7 +4,7 @@ Chat templates come from model repositories, so they run sandboxed, with the fil
 transformers provides (`tojson` without HTML escaping, `raise_exception`, `strftime_now`, loop controls).
 On top, the `OwnerHooks` extension rewrites every `{% for %}` loop so that each iteration reports "loop L
 is at item x" and the loop's end reports "loop L is done", to whatever tracker `render_spans`
-(minakv/model/chat.py) has installed in `TRACKER`; the hooks output nothing, so the rendered text is
+(minakv/text/chat.py) has installed in `TRACKER`; the hooks output nothing, so the rendered text is
 exactly the template's.
 """
 

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from minakv.model.quant import quantize_fp8_block, quantize_mxfp4
-from minakv.model.tiny_text import GPT_OSS_TEMPLATE, MINIMAX_TEMPLATE, minimax_tokenizer
-from minakv.model.tokenizer import gpt_oss_tokenizer_json
+from minakv.presets.tiny_text import GPT_OSS_TEMPLATE, MINIMAX_TEMPLATE, minimax_tokenizer
+from minakv.text.tokenizer import gpt_oss_tokenizer_json
 
 BUILDER_VERSION = 2  # bump when the bytes written for a seed change
 

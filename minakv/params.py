@@ -1,12 +1,11 @@
-"""What a caller asks for (`SamplingParams`) and what it gets back (`RequestOutput`).
+"""What a caller asks for: `SamplingParams`, shared by the `Engine`, the scheduler and the server.
 
-These are plain dataclasses shared by the `Engine`, the scheduler and the server. Validation lives in
-`SamplingParams.check()` so every entry point rejects bad values with the same message.
+Validation lives in `SamplingParams.check()` so every entry point rejects bad values with the same message.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -44,33 +43,3 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the cache (exact or re-rotated hit)
-    repos_tokens: int = 0  # tokens whose keys were re-rotated by a reposition or a position-agnostic hit
-    drop_skipped_tokens: int = 0  # prompt tokens no query reads any more, so never computed
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]  # in a stream: the new tokens of this increment; from generate: all of them
-    text: str = ""
-    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
-    usage: Usage = field(default_factory=Usage)
-    logprobs: list[TokenLogprob] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -1,7 +1,7 @@
 """The scheduler's view of KV memory: the page pool and the index of cached pages (minakv.cache).
 
 A page is held by the requests that run on it and by the index while it is cached. A request's pages hold
-its entries in plan order (minakv/scheduler/plan.py), so a page's key is the hash chain of its entries'
+its entries in plan order (minakv/cache/plan.py), so a page's key is the hash chain of its entries'
 records. Each record already names its position (a re-rotated copy is an entry of its own), so the engine's
 keys are exact keys; the index's position-agnostic side simply never finds a different version here.
 Eviction is the index's: pages only the index holds, dropped-only pages first, then least recently used.

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from minakv.sampling import SamplingParams, TokenLogprob
+from minakv.outputs import TokenLogprob
+from minakv.params import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ template lazily, so when a piece of output arrives we know which message iterati
 loops over messages we keep the OUTERMOST one: an inner loop over messages is the template looking ahead
 or back, not rendering them. Text outside any message iteration belongs to message 0 before the first
 message output and to N (the generation prompt) after it. The hooks and the sandboxed Jinja environment
-are in minakv/model/chat_template.py.
+are in minakv/text/chat_template.py.
 
 Characters get owners; a token gets the owner of its first character. A token that spans two messages
 (a BPE merge across a boundary) cannot be split; `count_spanning` reports them and the tests show the real
@@ -31,7 +31,7 @@ from typing import Any
 
 import jinja2
 
-from minakv.model.chat_template import TRACKER, ChatError, compile_template
+from minakv.text.chat_template import TRACKER, ChatError, compile_template
 
 
 @dataclass

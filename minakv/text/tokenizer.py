@@ -4,7 +4,7 @@ GPT-OSS uses OpenAI's o200k vocabulary. tiktoken and openai-harmony download it 
 offline. The PyPI package `quicktok-v1` ships the same 199998 byte-level BPE ranks in a small binary file;
 written out in tiktoken's text form (`base64(token) rank` per line, rank order) it is byte-identical to
 `o200k_base.tiktoken`, which we check by sha256. From the ranks we also build a Hugging Face `tokenizers`
-JSON (merges recovered from the ranks: minakv/model/bpe.py). Generated files live in the cache dir
+JSON (merges recovered from the ranks: minakv/text/bpe.py). Generated files live in the cache dir
 ($MINAKV_CACHE, else ~/.cache/minakv).
 
 `Tokenizer` wraps a `tokenizers.Tokenizer` plus what `tokenizer_config.json` / `generation_config.json`
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from minakv.model.bpe import (
+from minakv.text.bpe import (
     build_bpe_tokenizer,
     byte_to_unicode,  # noqa: F401 (re-exported for minakv.server.output)
     merges_from_ranks,

@@ -1,21 +1,14 @@
-"""One forward step as data: the flat token batch and the attention metadata over the paged KV.
+"""The attention context of a paged forward step: what the model's attention layers see.
 
-The batch holds decode queries first (one token per request), then prefill/restore segments. Every query
-reads a list of (slot, position) keys: for a decode query, the request's active keys including its own;
-for a segment, the keys active where the segment starts, plus (implicitly) the segment's own causal prefix.
-Segments are what make drop and restore exact: a segment ends wherever the set of visible keys changes.
-
-`PagedContext` is the attention context the model sees during such a step: it rotates q/k at the
-tokens' positions, stores K/V into their slots, then runs decode and segment attention (Triton on CUDA,
-torch references elsewhere).
+It rotates q/k at the tokens' positions, stores K/V into their slots, then runs decode and segment attention
+over the pool (Triton on CUDA, torch references elsewhere). Metadata is copied to the device once per step
+and shared by all layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from itertools import chain, pairwise
+from itertools import pairwise
 
-import numpy as np
 import torch
 
 from minakv.model.context import AttentionLayer
@@ -23,45 +16,7 @@ from minakv.ops.decode_attention import decode_attention
 from minakv.ops.kv_store import rotate_and_store
 from minakv.ops.segment_attention import plan_segments, segment_attention
 from minakv.ops.triton_util import use_triton
-from minakv.sampling import SamplingParams
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)  # position each token is born at
-    slots: list[int] = field(default_factory=list)  # where each token's K/V is stored
-    num_decode: int = 0  # the first num_decode tokens are decode queries
-    seg_q_indptr: list[int] = field(default_factory=lambda: [0])  # segments over the prefill tokens
-    kv_indptr: list[int] = field(default_factory=lambda: [0])  # per decode query, then per segment
-    kv_slots: list[int] = field(default_factory=list)
-    kv_pos: list[int] = field(default_factory=list)
-    # re-rotation copies to make before the forward (all layers): src slot -> dst slot, old -> new position
-    rerotate: tuple[list[int], list[int], list[int], list[int]] = field(
-        default_factory=lambda: ([], [], [], [])
-    )
-    # sampling: which token rows produce a next token, for which request, with which parameters
-    sample_rows: list[int] = field(default_factory=list)
-    sample_ids: list[str] = field(default_factory=list)
-    sample_params: list[SamplingParams] = field(default_factory=list)
-    release_ids: list[str] = field(default_factory=list)  # finished requests: drop their sampler state
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    def add_keys(self, slots: list[int], positions: list[int]) -> None:
-        """Close one query group (decode query or segment) with its keys' slots and positions."""
-        self.kv_slots += slots
-        self.kv_pos += positions
-        self.kv_indptr.append(len(self.kv_slots))
-
-
-def host_int64(lists: list[list[int]], pin: bool) -> torch.Tensor:
-    """The concatenated int lists as one int64 CPU tensor (pinned for an asynchronous copy to a GPU).
-    numpy's fromiter is ~4x faster than torch.tensor on a Python list, which matters at 10k keys a step."""
-    flat = torch.from_numpy(np.fromiter(chain(*lists), dtype=np.int64, count=sum(map(len, lists))))
-    return flat.pin_memory() if pin else flat
+from minakv.worker.batch import ForwardBatch, host_int64
 
 
 class PagedContext:
@@ -101,7 +56,7 @@ class PagedContext:
         max_kv_len: int,
     ) -> PagedContext:
         """A context of decode queries only, over device tensors the caller owns (the static buffers of
-        a CUDA graph, minakv/scheduler/graphs.py); `max_kv_len` bounds every request's key count."""
+        a CUDA graph, minakv/worker/graphs.py); `max_kv_len` bounds every request's key count."""
         self = cls.__new__(cls)
         empty = torch.zeros(1, dtype=torch.int64, device=k_cache.device)
         self._init(

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from minakv.model.tokenizer import cache_dir
+from minakv.text.tokenizer import cache_dir
 
 # name -> (tiny preset, quantisation)
 PRESETS: dict[str, tuple[str, str | None]] = {
@@ -28,7 +28,7 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.
 
 def preset_dir(name: str) -> Path:
     """The built checkpoint of preset `name`, building it if needed."""
-    from minakv.model.tiny import BUILDER_VERSION, build_tiny
+    from minakv.presets.tiny import BUILDER_VERSION, build_tiny
 
     preset, quant = PRESETS[name]
     final = cache_dir() / "presets" / f"{name}-v{BUILDER_VERSION}"

@@ -10,10 +10,10 @@ Each family writes reasoning and tool calls in its own markup:
   `<minimax:tool_call><invoke name="f"><parameter name="k">v</parameter></invoke></minimax:tool_call>`,
   parameter values converted by the tool's JSON schema types.
 
-One parser serves both uses: `feed(text)` returns the deltas that are certain so far, `finish()` flushes.
+One parser serves both uses: `feed(text)` returns the pieces that are certain so far, `finish()` flushes.
 A parser never emits text that may still turn out to be part of a tag: it holds back a buffer tail that is
 a prefix of a tag. Every decision depends only on the text seen, never on how it was split, so the
-concatenated deltas equal the one-shot parse for every split (`parse` = one feed + finish). The text must
+concatenated pieces equal the one-shot parse for every split (`parse` = one feed + finish). The text must
 keep special tokens (decode without skipping them).
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 
 @dataclass
-class Delta:
+class Piece:
     """A piece of output: kind "reasoning" or "content" with `text`, or "tool_call" with `index`; a tool
     call's first delta carries `id` and `name`, its `text` pieces concatenate to the JSON arguments."""
 
@@ -39,7 +39,7 @@ class Delta:
 
 
 @dataclass
-class ToolCall:
+class ParsedCall:
     id: str
     name: str
     arguments: str  # a JSON object, as OpenAI's API sends it
@@ -49,35 +49,35 @@ class ToolCall:
 class ParsedOutput:
     reasoning_content: str | None = None
     content: str | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ParsedCall] = field(default_factory=list)
 
 
-def collect(deltas: list[Delta]) -> ParsedOutput:
-    """Assemble deltas into the message they describe (what a streaming client does)."""
+def collect(pieces: list[Piece]) -> ParsedOutput:
+    """Assemble pieces into the message they describe (what a streaming client does)."""
     reasoning, content = [], []
-    calls: dict[int, ToolCall] = {}
-    for d in deltas:
+    calls: dict[int, ParsedCall] = {}
+    for d in pieces:
         if d.kind == "reasoning":
             reasoning.append(d.text)
         elif d.kind == "content":
             content.append(d.text)
         else:
-            call = calls.setdefault(d.index, ToolCall(d.id or "", d.name or "", ""))
+            call = calls.setdefault(d.index, ParsedCall(d.id or "", d.name or "", ""))
             call.arguments += d.text
     return ParsedOutput(
         "".join(reasoning) or None, "".join(content) or None, [calls[i] for i in sorted(calls)]
     )
 
 
-def merge(deltas: list[Delta]) -> list[Delta]:
-    """Join neighbouring deltas of the same kind (and tool call) into one."""
-    out: list[Delta] = []
-    for d in deltas:
+def merge(pieces: list[Piece]) -> list[Piece]:
+    """Join neighbouring pieces of the same kind (and tool call) into one."""
+    out: list[Piece] = []
+    for d in pieces:
         last = out[-1] if out else None
         if last and last.kind == d.kind and last.index == d.index and d.id is None:
             last.text += d.text
         elif d.text or d.kind == "tool_call":
-            out.append(Delta(d.kind, d.text, d.index, d.id, d.name))
+            out.append(Piece(d.kind, d.text, d.index, d.id, d.name))
     return out
 
 
@@ -96,18 +96,18 @@ class OutputParser:
 
     def __init__(self, id_prefix: str | None = None) -> None:
         self.buf = ""
-        self.out: list[Delta] = []
+        self.out: list[Piece] = []
         self.num_calls = 0
         self.id_prefix = id_prefix if id_prefix is not None else f"call_{uuid.uuid4().hex[:16]}_"
 
-    def feed(self, text: str) -> list[Delta]:
+    def feed(self, text: str) -> list[Piece]:
         self.buf += text
         while self.step(final=False):
             pass
         out, self.out = merge(self.out), []
         return out
 
-    def finish(self) -> list[Delta]:
+    def finish(self) -> list[Piece]:
         while self.step(final=True):
             pass
         out, self.out = merge(self.out), []
@@ -121,11 +121,11 @@ class OutputParser:
 
     def emit(self, kind: str, text: str) -> None:
         if text:
-            self.out.append(Delta(kind, text))
+            self.out.append(Piece(kind, text))
 
     def start_call(self, name: str) -> int:
         index, self.num_calls = self.num_calls, self.num_calls + 1
-        self.out.append(Delta("tool_call", "", index, f"{self.id_prefix}{index}", name))
+        self.out.append(Piece("tool_call", "", index, f"{self.id_prefix}{index}", name))
         return index
 
 
@@ -195,7 +195,7 @@ class HarmonyParser(OutputParser):
     def emit_body(self, text: str) -> None:
         if self.kind == "tool_call":
             if text:
-                self.out.append(Delta("tool_call", text, self.call))
+                self.out.append(Piece("tool_call", text, self.call))
         else:
             self.emit(self.kind, text)
 
@@ -283,7 +283,7 @@ class MiniMaxParser(OutputParser):
         schema = self.schemas.get(name, {})
         args = {k: convert(v.strip("\n"), schema.get(k)) for k, v in PARAMETER.findall(block[head.end() :])}
         index = self.start_call(name)
-        self.out.append(Delta("tool_call", json.dumps(args, ensure_ascii=False), index))
+        self.out.append(Piece("tool_call", json.dumps(args, ensure_ascii=False), index))
 
 
 TYPE_ORDER = ("null", "boolean", "integer", "number", "object", "array", "string")  # most specific first

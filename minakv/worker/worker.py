@@ -4,7 +4,7 @@ Its interface is deliberately narrow (a batch in, tokens out) so that prefill an
 later run in separate processes. It knows nothing of requests beyond the per-request sampler state
 (seeded generators), which must live where sampling happens.
 
-On CUDA, decode-only steps replay CUDA graphs (minakv/scheduler/graphs.py); the pool has one scratch slot
+On CUDA, decode-only steps replay CUDA graphs (minakv/worker/graphs.py); the pool has one scratch slot
 past its end for the graphs' padding rows. A step reads results back to the host once: greedy rows are
 answered by one batched argmax (and one batched log-softmax when logprobs are asked for).
 """
@@ -18,10 +18,12 @@ import torch
 
 from minakv.model import CausalLM
 from minakv.ops.rerotate import rerotate_copy
-from minakv.sampling import SamplingParams, TokenLogprob
-from minakv.scheduler.batch import ForwardBatch, PagedContext
-from minakv.scheduler.graphs import DecodeGraphs
-from minakv.scheduler.sampler import sample
+from minakv.outputs import TokenLogprob
+from minakv.params import SamplingParams
+from minakv.worker.batch import ForwardBatch
+from minakv.worker.graphs import DecodeGraphs
+from minakv.worker.paged import PagedContext
+from minakv.worker.sampler import sample
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from minakv.model.bpe import build_bpe_tokenizer
+from minakv.text.bpe import build_bpe_tokenizer
 
 # Our own short harmony rendering: system/developer/user as is; assistant reasoning on the analysis channel
 # (when the conversation ends in a final answer, reasoning up to the first final one is dropped, as
