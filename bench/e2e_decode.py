@@ -11,7 +11,7 @@ check on one prompt confirms the two models compute the same function before any
 
 Per-step decode time is measured by difference: generate N1 and then N2 new tokens from fresh random
 prompts of the same length and batch, (t(N2) - t(N1)) / (N2 - N1), which removes prefill and setup (best
-of two repeats). The bytes-read bound (DESIGN.md 5) counts per step: all non-expert weights of the layers,
+of two repeats). The bytes-read bound (docs/design.md 5) counts per step: all non-expert weights of the layers,
 the lm_head, the expected number of distinct experts touched (uniform routing: E(1 - (1 - k/E)^B)) times
 an expert's bytes, and the K/V bytes of the active keys (window layers read at most the window); the
 fraction is (bytes / step time) over the copy bandwidth measured in the same run.
@@ -155,7 +155,7 @@ def step_time(run, batch: int, n1: int, n2: int, repeats: int = 2) -> float:
 
 
 def step_bytes(model, config: ModelConfig, batch: int, context: float) -> float:
-    """Fewest bytes one decode step reads (DESIGN.md 5)."""
+    """Fewest bytes one decode step reads (docs/design.md 5)."""
     e, k = config.num_experts, config.experts_per_tok
     expert = sum(p.numel() * p.element_size() for p in model.layers[0].mlp.experts.parameters()) / e
     other = sum(p.numel() * p.element_size() for layer in model.layers for p in layer.parameters())

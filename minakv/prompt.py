@@ -7,7 +7,7 @@ Prompt forms:
 - `{"messages": [...], "tools": [...], "cache": {...}, "chat_template_kwargs": {...}}`: rendered once with
   the model's chat template; every token owned by its message, the generation prompt by owner N.
 
-`cache` is `{"drop": {"<trigger>": [ids]}, "reposition": [ids]}` (DESIGN.md 2.2). Everything invalid raises
+`cache` is `{"drop": {"<trigger>": [ids]}, "reposition": [ids]}` (docs/design.md 2.2). Everything invalid raises
 ValueError (CacheOpError for operations) with a message naming the field.
 """
 

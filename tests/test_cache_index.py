@@ -47,7 +47,7 @@ def test_pool_check_sees_a_leak_and_a_double_free():
         pool.check([pages])
 
 
-# -- keys (DESIGN.md 2.5 is in test_cache_oracle.py) -------------------------------------------------------
+# -- keys (docs/design.md 2.5 is in test_cache_oracle.py) -------------------------------------------------------
 
 OWNERS = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
 IDS = list(range(100, 116))

@@ -1,4 +1,4 @@
-"""The walk oracle on tiny models of both families, and the history dependence of DESIGN.md 2.5.
+"""The walk oracle on tiny models of both families, and the history dependence of docs/design.md 2.5.
 
 Also home of the tiny-model helpers the other cache tests import.
 """
@@ -103,7 +103,7 @@ def test_oracle_positions_and_active_set():
     assert torch.equal(v, raw_v) and not torch.equal(k, raw_k)
 
 
-# -- DESIGN.md 2.5 (acceptance 2) ------------------------------------------------------------------------
+# -- docs/design.md 2.5 (acceptance 2) ------------------------------------------------------------------------
 
 A, B, C = [11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]
 HISTORIES = {

@@ -1,4 +1,4 @@
-"""Program compilation against the walk of DESIGN.md 2.3, written out literally below (acceptance 1)."""
+"""Program compilation against the walk of docs/design.md 2.3, written out literally below (acceptance 1)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class WalkError(Exception):
 
 
 def walk(owners, num_messages, drop, reposition, num_generated, max_positions=None):
-    """DESIGN.md 2.3 token by token. Returns, per query, {token: position} of everything it sees; the
+    """docs/design.md 2.3 token by token. Returns, per query, {token: position} of everything it sees; the
     final {token: position} and next position; per token the positions it held (birth, then after each
     reposition that changed something); and per point the set of tokens dropped there."""
     n = len(owners)

@@ -1,4 +1,4 @@
-"""The engine against the walk oracle (DESIGN.md 2.3): random drop/reposition programs, batched with unrelated
+"""The engine against the walk oracle (docs/design.md 2.3): random drop/reposition programs, batched with unrelated
 requests, with chunked prefill, at page sizes 1, 16 and 7, and with a pool small enough that cached states are
 evicted and restored."""
 
@@ -137,7 +137,7 @@ def test_preemption_recomputes_exactly(model):
 
 
 def test_history_dependence_three_requests(model):
-    """DESIGN.md 2.5: the same tokens A, B, C with three histories give the oracle's three outputs, in any
+    """docs/design.md 2.5: the same tokens A, B, C with three histories give the oracle's three outputs, in any
     order and concurrently."""
     rng = random.Random(11)
     a, b, c = ([rng.randrange(384) for _ in range(5)] for _ in range(3))

@@ -1,7 +1,7 @@
 """Cache keys: what a page of KV *is*, so two requests share it only when it is truly the same KV.
 
 A token's K/V depends on the token, on everything before it, and on every drop and reposition before it
-(DESIGN.md 2.5); its stored key is also rotated at some position. So per token we form a record
+(docs/design.md 2.5); its stored key is also rotated at some position. So per token we form a record
 (events before it, token id) and chain records page by page, like vLLM's prefix-cache hash chain:
 
     page 0           page 1                       page 2

@@ -127,7 +127,7 @@ def plan_request(program: Program, token_ids: list[int]) -> Plan:
 
 
 def entries_to_compute(plan: Plan, have: list[bool]) -> list[int]:
-    """Which entries to compute when the `have` ones are cached (DESIGN.md 3.3): the last token's entry and
+    """Which entries to compute when the `have` ones are cached (docs/design.md 3.3): the last token's entry and
     those the first generated token reads, plus, transitively, everything a computed entry reads (its
     segment's outside keys and earlier members; a copy's source). Reads only go backwards, so one reverse
     pass settles it. An evicted entry nobody reads (typically a dropped one) is not recomputed."""

@@ -1,7 +1,7 @@
 """Compile a request into a program: where every token sits, and what every query sees.
 
 A request is a token sequence whose tokens have owners (message ids), plus cache operations:
-`drop: {trigger: [ids]}` and `reposition: [ids]` (DESIGN.md 2.2). Compilation runs the walk of DESIGN.md
+`drop: {trigger: [ids]}` and `reposition: [ids]` (docs/design.md 2.2). Compilation runs the walk of docs/design.md
 2.3 once, in bulk, and keeps just enough to answer every later question cheaply:
 
     token:          0   1   2   3   4   5   6   7        drop {1: [0]}, reposition [1]
@@ -39,7 +39,7 @@ NEVER = np.iinfo(np.int64).max  # visible_until of a token no drop of this reque
 
 @dataclass(frozen=True)
 class Segment:
-    """Queries that see the same earlier keys at the same positions (DESIGN.md 3.3).
+    """Queries that see the same earlier keys at the same positions (docs/design.md 3.3).
 
     Query i of the segment sees `keys` at `key_positions`, plus `queries[: i + 1]` at their
     `query_positions` (its own causal prefix). Keys come before the queries and, like every active token,
@@ -114,7 +114,7 @@ class Program:
     # -- what queries see -----------------------------------------------------------------------------
 
     def active_before(self, query: int) -> tuple[np.ndarray, np.ndarray]:
-        """The earlier tokens query `query` sees and their positions at that point (DESIGN.md 2.3).
+        """The earlier tokens query `query` sees and their positions at that point (docs/design.md 2.3).
 
         Those are the survivors of the query's stage (at their ranks) and the tokens born in the stage
         before it (at their birth positions), minus what was dropped since."""
@@ -202,7 +202,7 @@ def compile_program(
     reposition: Iterable[int] | None = None,
     max_positions: int | None = None,
 ) -> Program:
-    """Run the walk of DESIGN.md 2.3 in bulk. Raises CacheOpError on any invalid operation."""
+    """Run the walk of docs/design.md 2.3 in bulk. Raises CacheOpError on any invalid operation."""
     owner_arr = check_owners(owners, num_messages)
     drops = parse_drop(drop, num_messages)
     repositions = parse_reposition(reposition, num_messages)

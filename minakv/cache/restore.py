@@ -4,7 +4,7 @@ Given which tokens' KV is available (`have`, from exact or re-rotatable cache hi
 be recomputed iff a query that will run reads it: a required query (by default the last token, whose
 logits start generation), the future decode queries (they read the final active set), or another token
 being recomputed (its query reads everything active before it). Scanning tokens backwards decides each
-one after all its possible readers (DESIGN.md 3.3):
+one after all its possible readers (docs/design.md 3.3):
 
     token:     0  1  2  3  4  5  6  7      (drop {1: [0]} before token 4; token 7 = last)
     have:      .  x  .  x  x  .  x  .      x = cached

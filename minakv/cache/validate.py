@@ -1,7 +1,7 @@
 """Validate a request's owners and cache operations; every problem raises CacheOpError naming the field.
 
 `drop: {trigger: [ids]}` (trigger keys may arrive as strings: JSON object keys) and `reposition: [ids]`
-(DESIGN.md 2.2). Triggers and reposition ids at or after N (the number of messages) are future events:
+(docs/design.md 2.2). Triggers and reposition ids at or after N (the number of messages) are future events:
 validated, then left out of what is returned.
 """
 

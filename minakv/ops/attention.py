@@ -40,7 +40,7 @@ def masked_attention(
 
 def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """Causal-by-position mask with an optional sliding window: key at k visible to query at p iff
-    k <= p and p - k < window (DESIGN.md 2.4; the window counts the query itself)."""
+    k <= p and p - k < window (docs/design.md 2.4; the window counts the query itself)."""
     diff = q_pos[:, None] - k_pos[None, :]
     mask = diff >= 0
     if window is not None:

@@ -2,7 +2,7 @@
 
 The keys of request b are `kv_slots[kv_indptr[b]:kv_indptr[b+1]]` (flat slot indices into one layer's
 pool, so any page size works) with positions `kv_pos[...]`; its query sits at `q_pos[b]` and reads a key
-at position k iff `0 <= q_pos - k < window` (DESIGN.md 2.4). Sinks join the softmax denominator.
+at position k iff `0 <= q_pos - k < window` (docs/design.md 2.4). Sinks join the softmax denominator.
 
 The Triton path is flash-decoding: the keys of each request are cut into `num_splits` chunks, one
 program per (request, KV head, chunk) computes an unnormalised partial softmax for all query heads of

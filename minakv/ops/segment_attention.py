@@ -7,7 +7,7 @@ A flat batch of query tokens is cut into segments. Segment g owns the queries
      (earlier chunks, or the keys active at a drop/reposition point during restore), and
   2. the segment's own causal prefix (query i sees own keys 0..i),
 
-each subject to the position rule of DESIGN.md 2.4: a key at position k is visible to a query at p iff
+each subject to the position rule of docs/design.md 2.4: a key at position k is visible to a query at p iff
 `0 <= p - k < window`. Sinks join the softmax denominator. Ordinary prefill is one segment per request
 with an empty context; chunked prefill gives the earlier chunks as context.
 

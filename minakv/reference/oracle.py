@@ -1,4 +1,4 @@
-"""The walk oracle: DESIGN.md 2.3 executed literally, one token at a time. Slow on purpose.
+"""The walk oracle: docs/design.md 2.3 executed literally, one token at a time. Slow on purpose.
 
 It is both an attention context and the loop that drives the model. It keeps, per layer, the RAW
 (un-rotated) K and V of every token, an explicit active set (token indices in logical order) and the
@@ -44,7 +44,7 @@ class WalkOracle:
         self.position: dict[int, int] = {}  # token -> current position (dropped tokens keep their last)
         self.next_pos = 0
         self.current = -1  # the token whose query runs now
-        # Where the operations happen (DESIGN.md 2.2): at the first token after the message.
+        # Where the operations happen (docs/design.md 2.2): at the first token after the message.
         owners = program.owners.tolist()
 
         def first_token_after(m: int) -> int:

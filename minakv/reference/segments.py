@@ -3,7 +3,7 @@
 A forward batch is the concatenation of the queries of several segments (of one or many sequences). The
 model runs once over all of them (so the MoE runs once over every token); only attention is per segment:
 query i of a segment sees the segment's keys at the segment's key positions plus its own causal prefix,
-windows and sinks applied by position (DESIGN.md 3.3):
+windows and sinks applied by position (docs/design.md 3.3):
 
     batch rows:  | seg 0 queries | seg 1 queries | seg 2 queries |
     seg 1 keys:  earlier tokens, either computed in this same pass (any row, at any position: raw K is

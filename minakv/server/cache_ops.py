@@ -1,6 +1,6 @@
 """Cache operations as clients spell them -> the engine's `{"drop": {...}, "reposition": [...]}`.
 
-Two spellings reach the server (DESIGN.md 2.2, akv.md 1.1):
+Two spellings reach the server (docs/design.md 2.2, AKV's API):
 - the paper's: `"cache": {"drop": {"2": [0]}, "reposition": [2]}`;
 - AKV's: `"drop_message": {"2": [0]}` or `"drop_rule": {"type": "message_drop", "drop_messages": {...}}`
   or `{"type": "thinking_drop"}`, plus `"reposition": [...]`.

@@ -1,4 +1,4 @@
-"""Chat rendering with token ownership (DESIGN.md 2.1).
+"""Chat rendering with token ownership (docs/design.md 2.1).
 
 The conversation is rendered ONCE with the model's own Jinja chat template and tokenized ONCE; then every
 token gets the index of the message it belongs to. Cache operations (drop, reposition) name messages, so the
