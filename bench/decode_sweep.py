@@ -1,0 +1,175 @@
+"""Decode throughput of the Engine across batch sizes, greedy and sampled, on the gpt-oss-20b-shaped model
+with random bf16 weights (bench/e2e_decode.py builds it).
+
+    PYTHONUNBUFFERED=1 python bench/decode_sweep.py [--batches 1,16,64,128,256] [--prompt 1024]
+        [--layers 24] [--n1 8] [--n2 56] [--profile-steps 16] [--tiny]
+
+Sampling modes: `greedy` (temperature 0) and `sampled` (temperature 1, top_p 0.9, one seed per request,
+so every request takes the seeded path of the sampler). Per (batch, mode): milliseconds per decode step
+by difference of two generation lengths from fresh random prompts (bench/e2e_decode.py `step_time`:
+(t(n2) - t(n1)) / (n2 - n1), best of `--repeats`, which removes prefill and setup), output tokens/s, and
+the fraction of the bytes-read bound (e2e_decode `step_bytes` at the mean context, over the copy
+bandwidth measured in this run; None on CPU). The sampled/greedy ratio is sampled tok/s over greedy tok/s
+at the same batch.
+
+GPU busy fraction: after all timings (which use `generate`), each (batch, mode) runs once more through
+`engine.stream`; once every request is decoding, `--profile-steps` decode steps run under
+`torch.profiler`, and the union of device-kernel time over the window's wall time is reported (None on
+CPU). One engine (prefix cache off) serves every row. Rows are printed and written to
+$OUT/decode_sweep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from agent_replay import MAX_TOKEN_ID, fmt, profiled
+from common import Log, copy_bandwidth
+from e2e_decode import DEVICE, build_ours, configs, step_bytes, step_time
+
+from minakv import Engine, SamplingParams
+
+MODES = ("greedy", "sampled")
+# (full defaults, --tiny defaults)
+SIZES = {"batches": ("1,16,64,128,256", "1,4"), "prompt": (1024, 32), "n1": (8, 2), "n2": (56, 6),
+         "repeats": (2, 1), "profile_steps": (16, 4)}  # fmt: skip
+
+
+def sampling(mode: str, batch: int, n: int, args: argparse.Namespace) -> list[SamplingParams]:
+    if mode == "greedy":
+        return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)] * batch
+    return [SamplingParams(max_tokens=n, temperature=args.temperature, top_p=args.top_p, seed=1000 + i,
+                           ignore_eos=True) for i in range(batch)]  # fmt: skip
+
+
+async def profile_window(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], steps: int):
+    """Profile `steps` decode steps once every request has its first tokens (all are decoding)."""
+    counts = [0] * len(prompts)
+    decoding, done = asyncio.Event(), asyncio.Event()
+
+    async def consume(i: int) -> None:
+        async for out in engine.stream(prompts[i], params[i]):
+            counts[i] += len(out.token_ids)
+            if min(counts) >= 2:
+                decoding.set()
+            if min(counts) >= 2 + steps:
+                done.set()
+
+    tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
+    await decoding.wait()
+    first = min(counts)
+    with profiled(True) as found:
+        await done.wait()
+    found["steps"] = min(counts) - first
+    await asyncio.gather(*tasks)
+    return found
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", help="batch sizes (default 1,16,64,128,256)")
+    p.add_argument("--prompt", type=int, help="prompt tokens per request (default 1024)")
+    p.add_argument("--n1", type=int, help="shorter generation of the difference (default 8)")
+    p.add_argument("--n2", type=int, help="longer generation of the difference (default 56)")
+    p.add_argument("--repeats", type=int, help="best of this many differences (default 2)")
+    p.add_argument("--profile-steps", type=int, help="decode steps in the profiled window (default 16)")
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--temperature", type=float, default=1.0, help="of the sampled mode")
+    p.add_argument("--top-p", type=float, default=0.9, help="of the sampled mode")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--tiny", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    args = p.parse_args(argv)
+    for name, (full, tiny) in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.modes = [m for m in args.modes.split(",") if m]
+    if bad := [m for m in args.modes if m not in MODES]:
+        p.error(f"unknown modes {bad}; choose from {MODES}")
+    if args.n2 <= args.n1:
+        p.error("--n2 must exceed --n1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny ops: thread synchronisation costs more than it saves
+    torch.manual_seed(0)
+    bw = copy_bandwidth() if DEVICE == "cuda" else None
+    _, config = configs(args.layers, args.tiny)
+    t = time.perf_counter()
+    model = build_ours(config, torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {params / 1e9:.2f} B parameters on {DEVICE}, built in {time.perf_counter() - t:.1f} s")
+    top = max(args.batches)
+    longest = max(
+        args.n2, args.profile_steps + 2 + math.ceil(top * args.prompt / args.max_num_batched_tokens) + 8
+    )
+    engine = Engine(model, page_size=args.page_size, kv_cache_tokens=top * (args.prompt + longest + 16),
+                    max_num_seqs=max(64, top), max_num_batched_tokens=args.max_num_batched_tokens,
+                    enable_prefix_cache=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+
+    def prompts(batch: int) -> list[list[int]]:
+        hi = min(config.vocab_size, MAX_TOKEN_ID)
+        return torch.randint(0, hi, (batch, args.prompt), generator=gen).tolist()
+
+    def runner(mode: str):
+        def run(batch: int, n: int) -> None:
+            outs = engine.generate(prompts(batch), sampling(mode, batch, n, args), use_tqdm=False)
+            assert all(len(o.token_ids) == n for o in outs)
+
+        return run
+
+    log = Log()
+    env = f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'} torch {torch.__version__}"
+    log.add("env", env=env, params=params, copy_bw=bw, args=vars(args))
+    rows: dict[tuple[int, str], dict] = {}
+    for batch in args.batches:  # timings first: they use generate, before stream starts the engine thread
+        context = args.prompt + (args.n1 + args.n2) / 2
+        need = step_bytes(model, config, batch, context)
+        for mode in args.modes:
+            s = step_time(runner(mode), batch, args.n1, args.n2, repeats=args.repeats)
+            rows[batch, mode] = {
+                "batch": batch, "mode": mode, "ms_per_step": s * 1e3, "tok_s": batch / s,
+                "bytes_per_step": need, "bound_ms": None if bw is None else need / bw * 1e3,
+                "fraction_of_bound": None if bw is None else need / s / bw,
+            }  # fmt: skip
+        if "greedy" in args.modes and "sampled" in args.modes:
+            ratio = rows[batch, "sampled"]["tok_s"] / rows[batch, "greedy"]["tok_s"]
+            rows[batch, "sampled"]["sampled_over_greedy"] = ratio
+        print({k: round(v["ms_per_step"], 3) for k, v in rows.items() if k[0] == batch}, flush=True)
+    for (batch, mode), row in rows.items():
+        found = {"gpu_busy": None, "steps": 0, "wall_s": None}
+        if not args.no_profile:
+            n = args.profile_steps + 2 + math.ceil(batch * args.prompt / args.max_num_batched_tokens) + 8
+            found = asyncio.run(profile_window(engine, prompts(batch), sampling(mode, batch, n, args),
+                                               args.profile_steps))  # fmt: skip
+        per_step = found["wall_s"] * 1e3 / found["steps"] if found["steps"] else None
+        row.update(gpu_busy=found["gpu_busy"], profiled_steps=found["steps"], profiled_ms_per_step=per_step)
+        log.add("decode_sweep", **row)
+    log.save("decode_sweep.json")
+    print(f"\n=== decode sweep, {args.layers} layers, prompt {args.prompt}, {env} ===")
+    print("batch | mode | ms/step | tok/s | of bytes bound | sampled/greedy | GPU busy | profiled ms/step")
+    for r in rows.values():
+        print(f"{r['batch']} | {r['mode']} | {r['ms_per_step']:.3f} | {r['tok_s']:.1f} | "
+              f"{fmt(r['fraction_of_bound'], 1, 3)} | {fmt(r.get('sampled_over_greedy'), 1, 3)} | "
+              f"{fmt(r['gpu_busy'], 1, 3)} | {fmt(r['profiled_ms_per_step'], 1, 3)}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Smoke tests of the engine benchmarks: bench/agent_replay.py and bench/decode_sweep.py run with --tiny in a
+subprocess (a tiny random model, tiny sizes; CPU here, the GPU where there is one), exit 0, print their
+tables and write their JSON rows under $OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def run_script(name: str, args: list[str], out: Path) -> str:
+    env = {**os.environ, "OUT": str(out), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(BENCH / name), *args]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_agent_replay_tiny(tmp_path: Path) -> None:
+    args = ["--tiny", "--layers", "2", "--agents", "2", "--rounds", "3", "--keep", "1"]
+    stdout = run_script("agent_replay.py", args, tmp_path)
+    assert "=== agent replay ===" in stdout and "max position" in stdout
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "agent_replay.json").read_text()) if "mode" in r}
+    assert set(rows) == {"plain", "kv_drop", "text_drop"}
+    for r in rows.values():
+        assert len(r["round_wall_s"]) == 3 and r["total_wall_s"] > 0 and r["last_round_wall_s"] > 0
+        assert r["ttft_ms"]["mean"] > 0 and r["tpot_ms"]["p90"] > 0 and "gpu_busy_last_round" in r
+        assert {
+            "prompt_tokens",
+            "computed_tokens",
+            "cached_tokens",
+            "drop_skipped_tokens",
+            "repos_tokens",
+        } <= set(r["usage"])
+        assert {"prefill_tokens", "cache_hit_tokens", "kv_bytes_read_per_decode_token"} <= set(r["engine"])
+        assert r["usage"]["cached_tokens"] > 0  # later rounds reuse earlier ones
+    plain, kv, text = rows["plain"], rows["kv_drop"], rows["text_drop"]
+    assert kv["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"]
+    assert kv["usage"]["repos_tokens"] > 0 and plain["usage"]["repos_tokens"] == 0
+    assert kv["max_position"] < plain["max_position"]
+    last = "last_round_engine"
+    assert kv[last]["kv_bytes_read_per_decode_token"] < plain[last]["kv_bytes_read_per_decode_token"]
+
+
+def test_decode_sweep_tiny(tmp_path: Path) -> None:
+    stdout = run_script("decode_sweep.py", ["--tiny", "--layers", "2", "--batches", "1,2"], tmp_path)
+    assert "=== decode sweep" in stdout
+    rows = [
+        r for r in json.loads((tmp_path / "decode_sweep.json").read_text()) if r["kind"] == "decode_sweep"
+    ]
+    assert {(r["batch"], r["mode"]) for r in rows} == {(b, m) for b in (1, 2) for m in ("greedy", "sampled")}
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["tok_s"] > 0 and r["profiled_steps"] > 0
+        assert {"fraction_of_bound", "gpu_busy", "bytes_per_step"} <= set(r)
+        assert r["mode"] == "greedy" or r["sampled_over_greedy"] > 0
+
+
+def test_agent_replay_max_position_matches_the_program() -> None:
+    """The script's message-level walk (it checks positions before building anything) agrees with the
+    compiled program of every round's request, in every mode."""
+    import numpy as np
+
+    sys.path.insert(0, str(BENCH))
+    import agent_replay as ar
+
+    from minakv.cache.program import compile_program
+
+    argv = ["--rounds", "7", "--tool-tokens", "30", "--keep", "2", "--assistant-tokens", "5"]
+    args = ar.parse_args([*argv, "--system-tokens", "9", "--user-tokens", "3"])
+    for mode in ar.MODES:
+        best = 0
+        for r in range(args.rounds):
+            agent = ar.Agent(0, [[1] * 9, [2] * 3], [[3] * 30] * r)
+            for j in range(r):
+                agent.append(j, [4] * 5)
+            prompt = agent.prompt(r, mode, args.keep)
+            lengths = [len(m) for m in prompt["segments"]]
+            ops = prompt.get("cache", {})
+            owners = np.repeat(np.arange(len(lengths)), lengths)
+            program = compile_program(owners, len(lengths), ops.get("drop"), ops.get("reposition"))
+            best = max(best, int(program.birth_pos.max()), program.next_pos + args.assistant_tokens - 1)
+        assert ar.max_position(mode, args) == best, mode
