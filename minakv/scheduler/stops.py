@@ -3,12 +3,21 @@
 Ends with "stop" on an end-of-sequence token (unless ignore_eos), a stop token id, or a stop string (the text
 is cut before it); with "length" at max_tokens, at the engine's max_model_len, or when the next position
 would reach the model's limit.
+
+This runs for every request in every engine step, so its work per token is O(1), whatever the output's
+length: the text grows by what an incremental detokenizer (minakv/text/detokenize.py) says the token
+completes, and a stop string is looked for only where the new text could complete one.
+
+`r.text` is what `tokenizer.decode(r.output_ids)` gives, less a trailing partial character (U+FFFD) while
+running; when the request finishes, that held-back U+FFFD is appended too, so the final text is exactly the
+full decode (cut before a stop string; a stop token's own text is never added).
 """
 
 from __future__ import annotations
 
 from minakv.outputs import TokenLogprob
 from minakv.scheduler.request import Request
+from minakv.text.detokenize import IncrementalDetokenizer
 
 
 def apply_token(r: Request, token: int, logprob: TokenLogprob | None, tokenizer, max_model_len: int) -> bool:
@@ -17,24 +26,37 @@ def apply_token(r: Request, token: int, logprob: TokenLogprob | None, tokenizer,
     if logprob is not None:
         r.logprobs.append(logprob)
     p = r.params
-    eos = set(r.eos_token_ids) if not p.ignore_eos else set()
-    if token in eos or token in set(p.stop_token_ids or ()):
-        r.finish_reason = "stop"
-        return True
+    if (not p.ignore_eos and token in r.eos_token_ids) or (p.stop_token_ids and token in p.stop_token_ids):
+        return _finish(r, "stop")
     if tokenizer is not None:
-        r.text = tokenizer.decode(r.output_ids)
-        for s in p.stop_strings:
-            at = r.text.find(s, max(0, r.sent_text - len(s)))
-            if at >= 0:
-                r.text = r.text[:at]
-                r.finish_reason = "stop"
-                return True
+        if r.detok is None:  # made at the request's first output token
+            r.detok = IncrementalDetokenizer(tokenizer)
+        new = r.detok.push(token)
+        if new:
+            start = len(r.text)
+            r.text += new
+            for s in p.stop_strings:
+                # A match not found before must end in the new text: start at most len(s) - 1 before it.
+                at = r.text.find(s, max(0, start - len(s) + 1))
+                if at >= 0:
+                    r.text = r.text[:at]
+                    r.finish_reason = "stop"
+                    return True
+    n = len(r.output_ids)
     limit = r.program.max_positions
     if (
-        len(r.output_ids) >= p.max_tokens
-        or len(r.all_ids) >= max_model_len
-        or (limit is not None and int(r.program.birth_positions([len(r.all_ids) - 1])[0]) >= limit)
+        n >= p.max_tokens
+        or r.num_prompt + n >= max_model_len
+        # generated token j is born at program.next_pos + j (Program.birth_positions); this one is j = n - 1
+        or (limit is not None and r.program.next_pos + n - 1 >= limit)
     ):
-        r.finish_reason = "length"
-        return True
+        return _finish(r, "length")
     return False
+
+
+def _finish(r: Request, reason: str) -> bool:
+    """End r: the text held back as an incomplete character (U+FFFD) is final now."""
+    r.finish_reason = reason
+    if r.detok is not None:
+        r.text += r.detok.flush()
+    return True
