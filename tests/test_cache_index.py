@@ -1,15 +1,21 @@
-"""The page pool, cache keys and the index of cached pages (acceptance 2 for keys, acceptance 3)."""
+"""The page pool, the engine's page keys and the index of cached pages (acceptance 2 for keys, acceptance 3).
+
+Keys are formed as the scheduler forms them: plan the request's entries (minakv/cache/plan.py), chain their
+records page by page (minakv/cache/keys.py), pages the first generated token does not read are dead.
+"""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from helpers.programs import plan_keys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minakv.cache.index import PageIndex
-from minakv.cache.keys import page_keys
+from minakv.cache.keys import page_keys, record
+from minakv.cache.plan import Entry
 from minakv.cache.pool import PagePool, PoolError, PoolExhausted
 from minakv.cache.program import compile_program
 
@@ -54,50 +60,65 @@ IDS = list(range(100, 116))
 
 
 def keys_of(drop=None, reposition=None, owners=OWNERS, ids=IDS, page_size=4, n=4):
-    return page_keys(compile_program(owners, n, drop, reposition), ids, page_size)
+    return plan_keys(compile_program(owners, n, drop, reposition), ids, page_size)[1]
 
 
 def test_same_text_other_history_never_matches():
     plain, dropped = keys_of(), keys_of({"1": [0]})
-    assert [k.exact for k in plain[:2]] == [k.exact for k in dropped[:2]]  # the drop comes after message 1
-    for a, b in zip(plain[2:], dropped[2:]):
-        assert a.exact != b.exact and a.agnostic != b.agnostic
+    assert [k.key for k in plain[:2]] == [k.key for k in dropped[:2]]  # the drop comes after message 1
+    assert all(a.key != b.key for a, b in zip(plain[2:], dropped[2:]))
+    other_start = keys_of(ids=[0] * 4 + IDS[4:])  # other tokens in message 0: same text after, other KV
+    assert all(a.key != b.key for a, b in zip(plain, other_start))
     index = PageIndex(PagePool(8, 4))
-    index.insert(plain, index.pool.allocate(4))
-    assert [m.kind if m else None for m in index.match(dropped)] == ["exact", "exact", None, None]
+    pages = index.pool.allocate(4)
+    index.insert(plain, pages)
+    assert index.match(dropped) == [pages[0], pages[1], None, None]
 
 
 def test_noop_reposition_is_no_new_version():
     assert keys_of(None, [0, 1]) == keys_of()
+    assert keys_of({"1": [0]}, [1]) != keys_of({"1": [0]})  # after a drop it moves keys: a new version
 
 
-def test_reposition_makes_a_new_version_reusable_after_rerotation():
-    # Request 1: messages 0-3, drop 1 after 2. Request 2 repeats that and repositions after 2.
+def test_reposition_copies_are_pages_of_their_own():
+    # Request 1: messages 0-3, drop 1 after 2. Request 2 repeats that and repositions after 2: message 2's
+    # keys move from 8..11 to 4..7 in copies (entries 12..15), and message 3 is born after them.
     first = keys_of({"2": [1]})
     second = keys_of({"2": [1]}, [2])
+    assert len(first) == 4 and len(second) == 5
     index = PageIndex(PagePool(16, 4))
-    index.insert(first, index.pool.allocate(4))
-    matches = index.match(second)
-    assert [m.kind for m in matches[:3]] == ["exact", "exact", "rerotate"]  # 0 unmoved, 1 dropped in place
-    assert matches[2].old_positions == (8, 9, 10, 11) and matches[2].new_positions == (4, 5, 6, 7)
-    assert matches[3] is None  # message 3 is born after the reposition: other raw KV
-    assert second[1].dropped and not second[2].dropped
+    pages = index.pool.allocate(4)
+    index.insert(first, pages)
+    assert index.match(second) == pages[:3] + [None, None]  # up to the reposition: the same KV
+    # message 1 is dropped, and message 2's born entries are read by nobody after the copies
+    assert [k.dropped for k in second] == [False, True, True, False, False]
+    index.insert(second[3:], index.pool.allocate(2))
+    assert None not in index.match(keys_of({"2": [1]}, [2]))  # the repositioned version is cached too
 
 
 def test_page_size_one_and_odd_sizes():
     for page_size in (1, 3, 5):
-        keys = keys_of({"1": [0]}, [1], page_size=page_size)
-        assert len(keys) == len(IDS) // page_size
-        assert len({k.exact for k in keys}) == len(keys)
+        plan, keys = plan_keys(compile_program(OWNERS, 4, {"1": [0]}, [1]), IDS, page_size)
+        assert len(keys) == len(plan.entries) // page_size
+        assert len({k.key for k in keys}) == len(keys)
+        before_drop = keys_of(page_size=page_size)[: 8 // page_size]
+        assert [k.key for k in keys[: 8 // page_size]] == [k.key for k in before_drop]
 
 
 def test_generated_tokens_extend_the_chain():
     program = compile_program(OWNERS, 4, {"3": [1]}, [3])  # trailing events: before the first generated token
-    prompt_only = page_keys(program, IDS, 4)
-    with_output = page_keys(program, IDS + [7, 8, 9, 10], 4)
-    assert with_output[:4] == prompt_only and with_output[4].positions == (12, 13, 14, 15)
-    other = page_keys(compile_program(OWNERS, 4), IDS + [7, 8, 9, 10], 4)
-    assert other[4].agnostic != with_output[4].agnostic  # the trailing drop is part of its history
+    prompt_plan, prompt_only = plan_keys(program, IDS, 4)
+    plan, with_output = plan_keys(program, IDS + [7, 8, 9, 10], 4)
+    assert len(prompt_only) == 6 and with_output[:6] == prompt_only  # 16 born + 8 copies, then the output
+    assert [e.position for e in plan.entries[24:]] == [12, 13, 14, 15]
+    # the scheduler's decode entries (records after the final events) make the same key as a re-plan
+    decoded = prompt_plan.records + [
+        record(prompt_plan.final_digest, token, Entry(16 + j, 12 + j))
+        for j, token in enumerate([7, 8, 9, 10])
+    ]
+    assert page_keys(decoded, 4)[6].key == with_output[6].key
+    other = plan_keys(compile_program(OWNERS, 4), IDS + [7, 8, 9, 10], 4)[1]
+    assert other[4].key != with_output[6].key  # the trailing events are part of its history
 
 
 # -- the index: eviction and holes --------------------------------------------------------------------------
@@ -121,9 +142,8 @@ def test_evicted_span_leaves_a_hole():
     index.insert(keys, pages)
     index.pool.decref(pages)
     assert index.evict(1) == [pages[1]]  # message 1's page: dropped
-    longer = page_keys(compile_program(OWNERS + [4] * 4, 5, {"2": [1]}), IDS + [1, 2, 3, 4], 4)
-    kinds = [m.kind if m else None for m in index.match(longer)]
-    assert kinds == ["exact", None, "exact", "exact", None]  # the history after the hole still matches
+    longer = keys_of({"2": [1]}, owners=OWNERS + [4] * 4, ids=IDS + [1, 2, 3, 4], n=5)
+    assert index.match(longer) == [pages[0], None, pages[2], pages[3], None]  # the history after the hole
 
 
 def test_referenced_pages_are_never_evicted():
@@ -177,20 +197,19 @@ def run_random_operations(seed: int, steps: int) -> None:
         op = rng.random()
         if op < 0.5:  # a request arrives: match, take what it can, allocate the rest, maybe publish
             program, ids = random_request(rng)
-            keys = page_keys(program, ids, page_size)
+            keys = plan_keys(program, ids, page_size)[1]
             matches = index.match(keys)
-            shared = [m.page for m in matches if m is not None and m.kind == "exact"]
-            pool.incref(shared)  # hold what matched before anything is evicted
+            pool.incref([p for p in matches if p is not None])  # hold what matched before anything is evicted
             table = []
             for i, match in enumerate(matches):
-                if match is not None and match.kind == "exact":
-                    table.append(match.page)
+                if match is not None:
+                    table.append(match)
                     continue
                 if pool.num_free == 0:
                     evicted = index.evict(1)
                     assert all(pool.refcount[p] == 0 for p in evicted)
                 if pool.num_free == 0:  # no memory: the scheduler would preempt; here the request stops
-                    pool.decref([m.page for m in matches[i + 1 :] if m is not None and m.kind == "exact"])
+                    pool.decref([p for p in matches[i + 1 :] if p is not None])
                     break
                 table.extend(pool.allocate(1))
             assert len(set(table)) == len(table)
@@ -232,8 +251,8 @@ def test_eviction_order_under_random_inserts():
     index = PageIndex(pool)
     for _ in range(12):
         program, ids = random_request(rng)
-        keys = page_keys(program, ids, 2)
-        fresh = [k for k in keys if k.exact not in index.exact]
+        keys = plan_keys(program, ids, 2)[1]
+        fresh = [k for k in keys if k.key not in index.by_key]
         pages = pool.allocate(min(len(fresh), pool.num_free))
         index.insert(fresh[: len(pages)], pages)
         pool.decref(pages)

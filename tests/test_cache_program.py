@@ -1,80 +1,18 @@
-"""Program compilation against the walk of docs/design.md 2.3, written out literally below (acceptance 1)."""
+"""Program compilation against the walk of docs/design.md 2.3, written out literally in
+tests/helpers/programs.py (acceptance 1). The plan built from a program is checked in test_cache_restore.py."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from itertools import pairwise
 
 import numpy as np
 import pytest
+from helpers.programs import WalkError, requests, walk
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minakv.cache.program import NEVER, CacheOpError, compile_program
-
-
-class WalkError(Exception):
-    pass
-
-
-def walk(owners, num_messages, drop, reposition, num_generated, max_positions=None):
-    """docs/design.md 2.3 token by token. Returns, per query, {token: position} of everything it sees; the
-    final {token: position} and next position; per token the positions it held (birth, then after each
-    reposition that changed something); and per point the set of tokens dropped there."""
-    n = len(owners)
-
-    def after(m):  # the first token after message m
-        return next((i for i, o in enumerate(owners) if o > m), n)
-
-    drops_at = defaultdict(list)  # point -> messages dropped there
-    for trigger, ids in drop.items():
-        if int(trigger) < num_messages:
-            drops_at[after(int(trigger))] += ids
-    repositions_at = {after(m) for m in reposition if m < num_messages}
-
-    active, next_pos, seen = {}, 0, []
-    history = defaultdict(list)
-    dropped_at = defaultdict(set)
-    total = n + num_generated
-    for i in range(total + 1):
-        for m in drops_at.get(i, []):  # drops first
-            for t in [t for t in active if t < n and owners[t] == m]:
-                del active[t]
-                dropped_at[i].add(t)
-        if i in repositions_at:  # then the reposition
-            if not active:
-                raise WalkError("nothing active")
-            ranks = {t: r for r, t in enumerate(sorted(active))}
-            if ranks != active or next_pos != len(active):  # else it would change no position
-                active = ranks
-                next_pos = len(active)
-                for t, p in active.items():
-                    history[t].append(p)
-        if i == total:
-            break
-        if max_positions is not None and next_pos >= max_positions:
-            raise WalkError("position limit")
-        active[i] = next_pos  # token i is born at next_pos
-        history[i].append(next_pos)
-        next_pos += 1
-        seen.append(dict(active))
-    return seen, dict(active), next_pos, history, dropped_at
-
-
-@st.composite
-def requests(draw):
-    num_messages = draw(st.integers(1, 6))
-    lengths = draw(st.lists(st.integers(0, 4), min_size=num_messages, max_size=num_messages))
-    prompt = draw(st.integers(0, 2))  # generation prompt tokens (owner N)
-    owners = [m for m, k in enumerate(lengths) for _ in range(k)] + [num_messages] * prompt
-    drop = {}
-    for trigger in draw(st.lists(st.integers(0, num_messages + 1), unique=True, max_size=4)):
-        ids = draw(st.lists(st.integers(0, trigger), max_size=3))
-        drop[str(trigger) if draw(st.booleans()) else trigger] = ids
-    reposition = sorted(draw(st.sets(st.integers(0, num_messages + 1), max_size=3)))
-    generated = draw(st.integers(0, 3))
-    window = draw(st.one_of(st.none(), st.integers(1, 6)))
-    return owners, num_messages, drop, reposition, generated, window
+from minakv.reference.segments import segments as cut_segments
 
 
 def in_window(q_pos, k_pos, window):
@@ -91,16 +29,19 @@ def check_program(owners, num_messages, drop, reposition, generated, window, chu
     program = compile_program(owners, num_messages, drop, reposition)
     n, total = len(owners), len(owners) + generated
 
-    # Every query, asked one at a time.
+    # Every query, asked one at a time (and the first decode query: the state after the prompt).
     for q in range(total):
-        keys, pos = program.visible(q)
-        assert dict(zip(keys.tolist(), pos.tolist())) == seen[q], q
+        keys, pos = program.active_before(q)
+        assert dict(zip(keys.tolist(), pos.tolist())) == {t: p for t, p in seen[q].items() if t != q}, q
         assert program.birth_positions([q])[0] == seen[q][q]
+    keys, pos = program.active_before(n)
+    assert dict(zip(keys.tolist(), pos.tolist())) == {t: p for t, p in final.items() if t < n}
+    assert program.final_active.tolist() == sorted(t for t in final if t < n)
 
     # Every query, through the segments of a chunked prefill (with a window applied by position).
     bounds = [0, *sorted(c for c in set(chunks) if 0 < c < total), total]
     for a, b in pairwise(bounds):
-        segments = program.segments(a, b)
+        segments = cut_segments(program, a, b)
         assert [q for s in segments for q in s.queries.tolist()] == list(range(a, b))
         for seg in segments:
             assert (np.diff(seg.keys) > 0).all() and (np.diff(seg.key_positions) > 0).all()
@@ -114,22 +55,19 @@ def check_program(owners, num_messages, drop, reposition, generated, window, chu
                 want = {k: p for k, p in seen[q].items() if in_window(seen[q][q], p, window)}
                 assert got == want, (q, seg)
 
-    # The state decode starts from, and what each token went through.
-    assert dict(zip(program.final_active.tolist(), program.final_positions.tolist())) == {
-        t: p for t, p in final.items() if t < n
-    }
+    # The state decode starts from, and when each token stops being seen.
     assert program.next_pos == next_pos - generated
     for t in range(n):
-        assert [p for _, p in program.stages_of(t)] == history[t], t
         until = program.visible_until[t]
         assert until == NEVER or all(t not in seen[q] for q in range(until, total))
         assert all(t in seen[q] for q in range(t, min(until, total)))
-        last = final[t] if until == NEVER else seen[until - 1][t]
-        assert program.last_positions[t] == last
     for point in range(total + 1):
         ranges, _ = program.events_at(point)
         assert {t for lo, hi in ranges for t in range(lo, hi)} == dropped_at.get(point, set())
-    assert program.num_stages - 1 == sum(1 for p in program.stage_starts[1:] if p <= n)
+    # Each stage's survivors sit at their ranks: a token's positions over the stages are the walk's.
+    for t in range(n):
+        stages = [s for s in range(1, len(program.stage_starts)) if t in program.survivors[s]]
+        assert [seen[t][t], *(program.survivors[s].tolist().index(t) for s in stages)] == history[t], t
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -157,7 +95,7 @@ def test_position_limit_matches_walk(request, limit):
             compile_program(owners, num_messages, drop, reposition, max_positions=limit)
         return
     program = compile_program(owners, num_messages, drop, reposition, max_positions=limit)
-    assert program.room() == limit - program.next_pos >= 0
+    assert program.next_pos <= limit
 
 
 def test_design_example():
@@ -165,23 +103,30 @@ def test_design_example():
     p = compile_program([0, 0, 1, 1, 2, 2, 2, 2], 3, {"1": [0]}, [1])
     assert p.birth_pos.tolist() == [0, 1, 2, 3, 2, 3, 4, 5]
     assert p.visible_until.tolist()[:2] == [4, 4]
-    assert p.final_active.tolist() == [2, 3, 4, 5, 6, 7] and p.final_positions.tolist() == [0, 1, 2, 3, 4, 5]
+    assert p.final_active.tolist() == [2, 3, 4, 5, 6, 7] and p.active_before(8)[1].tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     assert p.next_pos == 6
-    assert p.stages_of(2) == [(0, 2), (1, 0)]
+    assert p.stage_starts.tolist() == [0, 4] and p.survivors[1].tolist() == [2, 3]  # 2, 3 move to 0, 1
     assert p.events_at(4) == ([(0, 2)], True)
 
 
 def test_drop_alone_keeps_positions():
     p = compile_program([0, 0, 1, 1, 2], 3, {2: [0]})
     assert p.birth_pos.tolist() == [0, 1, 2, 3, 4] and p.next_pos == 5  # drop never compacts
-    assert p.final_active.tolist() == [2, 3, 4] and p.final_positions.tolist() == [2, 3, 4]
+    assert p.final_active.tolist() == [2, 3, 4] and p.active_before(5)[1].tolist() == [2, 3, 4]
     assert p.events_at(5) == ([(0, 2)], False)  # a trailing event: before the first generated token
 
 
 def test_noop_reposition_makes_no_stage():
     # Nothing dropped before message 0's end: positions are already 0..A-1.
     p = compile_program([0, 0, 1, 1], 2, None, [0])
-    assert p.num_stages == 1 and p.events_at(2) == ([], False)
+    assert len(p.stage_starts) == 1 and p.events_at(2) == ([], False)
     q = compile_program([0, 0, 1, 1], 2)
     assert p.birth_pos.tolist() == q.birth_pos.tolist()
 
@@ -190,19 +135,21 @@ def test_reposition_after_dropping_the_newest_message_resets_next_pos():
     # Survivors 0, 1 already sit at 0, 1, but the next token is born at 2, not 4: not a no-op.
     p = compile_program([0, 0, 1, 1, 2], 3, {1: [1]}, [1])
     assert (
-        p.num_stages == 2 and p.birth_pos.tolist() == [0, 1, 2, 3, 2] and p.events_at(4) == ([(2, 4)], True)
+        p.stage_starts.tolist() == [0, 4]
+        and p.birth_pos.tolist() == [0, 1, 2, 3, 2]
+        and p.events_at(4) == ([(2, 4)], True)
     )
-    assert p.stages_of(0) == [(0, 0), (1, 0)]
+    assert p.survivors[1].tolist() == [0, 1]  # token 0 stays at position 0 in the new stage
 
 
 def test_future_events_are_ignored():
     p = compile_program([0, 1, 1], 2, {"2": [1, 2], 5: [0]}, [2, 3])
-    assert p.visible_until.tolist() == [NEVER] * 3 and p.num_stages == 1 and p.next_pos == 3
+    assert p.visible_until.tolist() == [NEVER] * 3 and len(p.stage_starts) == 1 and p.next_pos == 3
 
 
 def test_drop_at_shared_boundary_runs_before_reposition():
     p = compile_program([0, 1, 1, 2], 3, {1: [0]}, [1])
-    assert p.stages_of(1) == [(0, 1), (1, 0)] and p.birth_pos[3] == 2
+    assert p.survivors[1].tolist() == [1, 2] and p.birth_pos[3] == 2  # token 1: position 1, then 0
 
 
 def test_already_dropped_is_ignored():
@@ -213,15 +160,10 @@ def test_already_dropped_is_ignored():
 def test_generated_tokens_continue_the_walk():
     p = compile_program([0, 0, 1, 1], 2, {1: [0]}, [1])  # trailing drop + reposition at the end
     assert p.final_active.tolist() == [2, 3] and p.next_pos == 2
-    keys, pos = p.visible(5)  # the second generated token
-    assert keys.tolist() == [2, 3, 4, 5] and pos.tolist() == [0, 1, 2, 3]
-    (seg,) = p.segments(4, 6)
+    keys, pos = p.active_before(5)  # the second generated token
+    assert keys.tolist() == [2, 3, 4] and pos.tolist() == [0, 1, 2] and p.birth_positions([5]).tolist() == [3]
+    (seg,) = cut_segments(p, 4, 6)
     assert seg.keys.tolist() == [2, 3] and seg.query_positions.tolist() == [2, 3]
-
-
-def test_room_and_limit():
-    p = compile_program([0, 0, 1, 1], 2, max_positions=6)
-    assert p.room() == 2
 
 
 # -- acceptance 5: every invalid operation, one test each --------------------------------------------

@@ -19,7 +19,7 @@
    test models therefore route every token to all experts (k = E, the softmax / normalised scores over
    all of them), which keeps the experts' arithmetic and removes the discrete choice. Routing with k < E
    is checked where it is exact: the MoE paths against float64 (tests/test_moe_paths.py) and the float32
-   engines (part 1 here; tests/test_engine_walk.py on CPU). The models are engine_helpers' sharp tiny
+   engines (part 1 here; tests/test_engine_walk.py on CPU). The models are helpers.models' sharp tiny
    models with their matrices scaled down (x0.5 GPT-OSS, x0.35 MiniMax-M2): at full sharpness bf16
    rounding alone flips argmaxes at ~10% of positions (measured on CPU), which would leave nothing to test.
 
@@ -41,7 +41,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from engine_helpers import compiles, oracle_run, programs, tiny_model
+from helpers.models import tiny_model
+from helpers.programs import HISTORY, compiles, oracle_run, programs
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -158,17 +159,6 @@ def assert_close_to_oracle(models, segments, cache, out) -> float:
 # Programs that failed on the H200 on 2026-11-30 with top-k routing (deviation 0.29, 0.12, 0.16 against a
 # bf16 noise of 0.005): with the Triton kernels run on CPU in float32 all three match the float64 walk to
 # 2e-6, so the engine's logic was right; they are kept as explicit examples.
-HISTORY = [
-    (
-        [[125, 256, 175, 79, 247], [125, 259], [156], [95, 178, 60], [168, 67, 127, 1]],
-        {"drop": {"3": [3]}, "reposition": [2, 4]},
-    ),
-    ([[0, 122, 88, 183, 152], [185, 179], [86]], {"drop": {"0": [0], "2": [0, 1, 2]}, "reposition": []}),
-    (
-        [[0, 262, 101, 171, 0, 79, 0, 128, 209], [3], [277, 231, 308, 113, 103, 382, 211, 81, 324]],
-        {"drop": {"0": [0], "2": [1]}, "reposition": [1, 2]},
-    ),
-]
 
 
 # no shrinking: on a GPU run, report the first failing program as drawn rather than spend minutes minimising

@@ -16,9 +16,9 @@ import random
 
 import pytest
 import torch
-from engine_helpers import assert_matches_oracle, compiles, tiny_model
-from test_engine_gpu import HISTORY
-from triton_helpers import interpreted
+from helpers.models import tiny_model
+from helpers.programs import HISTORY, assert_matches_oracle, compiles
+from helpers.triton import interpreted
 
 from minakv import Engine, SamplingParams
 from minakv.ops import triton_util

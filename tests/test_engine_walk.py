@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_helpers import assert_matches_oracle, compiles, programs, tiny_model
+from helpers.models import tiny_model
+from helpers.programs import assert_matches_oracle, compiles, programs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

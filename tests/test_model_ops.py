@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers.models import moe_reference
 
 from minakv.model.config import ModelConfig
 from minakv.model.quant import dequantize_fp8_block, dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
@@ -67,29 +68,6 @@ def test_rope_tables_match_transformers_at_real_sizes(family: str) -> None:
     assert rope.attention_factor == pytest.approx(scaling, rel=1e-12)
     if family == "gpt_oss":
         assert rope.attention_factor == pytest.approx(0.1 * math.log(32) + 1)
-
-
-def moe_reference(x, gate_up, down, weights, ids, gate_up_bias, down_bias, activation, limit, alpha):
-    """One token and one expert at a time, in float64."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    i = gate_up.shape[1] // 2
-    for t in range(x.shape[0]):
-        for slot in range(ids.shape[1]):
-            e = int(ids[t, slot])
-            h = gate_up[e].double() @ x[t].double()
-            if gate_up_bias is not None:
-                h = h + gate_up_bias[e].double()
-            gate, up = h[:i], h[i:]
-            if activation == "silu":
-                a = gate * torch.sigmoid(gate) * up
-            else:
-                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-                a = (up + 1) * gate * torch.sigmoid(alpha * gate)
-            y = down[e].double() @ a
-            if down_bias is not None:
-                y = y + down_bias[e].double()
-            out[t] += float(weights[t, slot]) * y
-    return out
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])

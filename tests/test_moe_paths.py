@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_model_ops import moe_reference
-from triton_helpers import interpreted
+from helpers.models import moe_reference
+from helpers.triton import interpreted
 
 from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_dense, moe_grouped, moe_loop, route_sigmoid_bias, route_softmax_topk

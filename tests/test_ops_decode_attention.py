@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import interpreted
+from helpers.triton import interpreted
 
 from minakv.ops.decode_attention import decode_attention, decode_attention_ref, decode_attention_triton
 

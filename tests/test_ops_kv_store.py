@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import interpreted
+from helpers.triton import interpreted
 
 from minakv.ops.kv_store import rotate_and_store, rotate_and_store_ref, rotate_and_store_triton
 from minakv.ops.norm import rms_norm_ref, rms_norm_triton

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import interpreted
+from helpers.triton import interpreted
 
 from minakv.ops.rerotate import rerotate_copy, rerotate_copy_ref, rerotate_copy_triton
 from minakv.ops.rope import Rope

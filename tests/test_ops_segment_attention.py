@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_helpers import interpreted
+from helpers.triton import interpreted
 
 from minakv.ops.segment_attention import (
     plan_segments,

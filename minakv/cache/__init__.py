@@ -2,12 +2,13 @@
 
 - `program`: compile owners + drop/reposition operations into per-token positions and visibility
   (`validate` checks the operations: CacheOpError).
-- `oracle`: the walk of docs/design.md 2.3 executed token by token (the reference for every engine test).
-- `segments`: run many segments in one forward with dense masked attention (torch reference).
+- `plan`: a request's KV entries (born tokens and the re-rotated copies a reposition needs), the segments
+  that compute them, and which entries to compute when some are cached (the dependency closure).
+- `keys`: what an entry holds (its record) and the hash chain that keys a page of entries.
 - `pool`: the paged KV pool's bookkeeping (pages, refcounts, integrity check).
-- `keys`, `index`: cache keys over (events, token, position) and the index of cached pages (exact and
-  re-rotatable matches, drop-aware LRU eviction).
-- `restore`: recompute only the missing KV that some query reads, in one pass.
+- `index`: the cached pages by key (exact matches, holes after eviction, drop-aware LRU eviction).
+- `kvcache`: the scheduler's view of it all: pool + index, allocate / match / release.
 
+The walk oracle and the dense segment reference the engine is tested against are in minakv.reference.
 See docs/walk.md and docs/cache-keys.md.
 """

@@ -1,18 +1,16 @@
 """The index of cached pages: find reusable KV for a new request, remember finished KV, evict.
 
-Two dictionaries over the page keys of `keys.py`:
+One dictionary over the page keys of `keys.py`:
 
-    exact:    exact key    -> the cached page (share it as is: incref)
-    agnostic: agnostic key -> cached pages with that raw KV at some positions (copy + re-rotate)
+    by_key: key -> the cached page (a request with that key shares it as is: incref)
 
-`match(keys)` walks a request's page keys in order and says, per page, "exact" (share), "rerotate" (copy
-this page into a fresh one, re-rotating each slot from its old position to the new one; never in place,
-other requests may share it) or None (not cached). It does not stop at a missing page: an evicted page
-leaves a hole, and the pages after it still match, because their keys never depend on what is cached.
-`restore.plan_restore` then decides which missing tokens must really be recomputed.
+`match(keys)` walks a request's page keys in order and gives, per page, the cached page or None. It does
+not stop at a missing page: an evicted page leaves a hole, and the pages after it still match, because
+their keys never depend on what is cached. `plan.entries_to_compute` then decides which missing entries
+must really be recomputed.
 
 The index holds one pool reference per indexed page. Eviction takes pages nobody else holds
-(refcount 1), least recently used first, but pages whose tokens are all dropped (no live request of that
+(refcount 1), least recently used first, but pages whose entries are all dropped (no live request of that
 history can read them again) before any other.
 """
 
@@ -29,24 +27,15 @@ from minakv.cache.pool import PagePool, PoolError
 @dataclass
 class CachedPage:
     page: int
-    key: PageKey
-    dropped: bool  # all its tokens are dropped on the history that last inserted it
+    key: bytes
+    dropped: bool  # all its entries are dropped on the history that last inserted it
     last_used: int
-
-
-@dataclass(frozen=True)
-class Match:
-    kind: str  # "exact" (share the page) or "rerotate" (copy it, re-rotating old -> new positions)
-    page: int
-    old_positions: tuple[int, ...]
-    new_positions: tuple[int, ...]
 
 
 class PageIndex:
     def __init__(self, pool: PagePool) -> None:
         self.pool = pool
-        self.exact: dict[bytes, CachedPage] = {}
-        self.agnostic: dict[bytes, dict[int, CachedPage]] = {}
+        self.by_key: dict[bytes, CachedPage] = {}
         self.by_page: dict[int, CachedPage] = {}
         # LRU order (oldest first), dropped-only pages apart: eviction scans dropped pages, then the rest.
         self.lru: dict[bool, OrderedDict[int, CachedPage]] = {True: OrderedDict(), False: OrderedDict()}
@@ -60,7 +49,7 @@ class PageIndex:
         return list(self.by_page)
 
     def _touch(self, entry: CachedPage, dropped: bool | None = None) -> None:
-        """Mark as most recently used (and, if given, update whether it holds only dropped tokens)."""
+        """Mark as most recently used (and, if given, update whether it holds only dropped entries)."""
         self.clock += 1
         entry.last_used = self.clock
         self.lru[entry.dropped].pop(entry.page, None)
@@ -68,24 +57,17 @@ class PageIndex:
             entry.dropped = dropped
         self.lru[entry.dropped][entry.page] = entry
 
-    def match(self, keys: Sequence[PageKey]) -> list[Match | None]:
-        """Per page key: how to reuse cached KV for it, or None. Touches what it finds (LRU).
+    def match(self, keys: Sequence[PageKey]) -> list[int | None]:
+        """Per page key: the cached page with exactly that KV, or None. Touches what it finds (LRU).
 
         Take a pool reference on the pages you use (`pool.incref`) before evicting anything: an
         eviction may otherwise free a matched page and hand it out again."""
-        out: list[Match | None] = []
+        out: list[int | None] = []
         for key in keys:
-            entry = self.exact.get(key.exact)
-            kind = "exact"
-            if entry is None:
-                versions = self.agnostic.get(key.agnostic)
-                entry = max(versions.values(), key=lambda e: e.last_used) if versions else None
-                kind = "rerotate"
-            if entry is None:
-                out.append(None)
-                continue
-            self._touch(entry)
-            out.append(Match(kind, entry.page, entry.key.positions, key.positions))
+            entry = self.by_key.get(key.key)
+            if entry is not None:
+                self._touch(entry)
+            out.append(entry.page if entry is not None else None)
         return out
 
     def insert(self, keys: Sequence[PageKey], pages: Sequence[int]) -> list[bool]:
@@ -95,7 +77,7 @@ class PageIndex:
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
         out = []
         for key, page in zip(keys, pages):
-            entry = self.exact.get(key.exact)
+            entry = self.by_key.get(key.key)
             if entry is not None:
                 self._touch(entry, key.dropped)  # the latest history's view of the page
                 out.append(entry.page == page)
@@ -103,10 +85,9 @@ class PageIndex:
             if page in self.by_page:
                 raise PoolError(f"page {page} is already indexed under another key")
             self.pool.incref([page])
-            entry = CachedPage(page, key, key.dropped, 0)
+            entry = CachedPage(page, key.key, key.dropped, 0)
             self._touch(entry)
-            self.exact[key.exact] = entry
-            self.agnostic.setdefault(key.agnostic, {})[page] = entry
+            self.by_key[key.key] = entry
             self.by_page[page] = entry
             out.append(True)
         return out
@@ -131,9 +112,5 @@ class PageIndex:
         """Forget a page and let go of the index's reference (it is freed if nobody else holds it)."""
         entry = self.by_page.pop(page)
         del self.lru[entry.dropped][page]
-        del self.exact[entry.key.exact]
-        versions = self.agnostic[entry.key.agnostic]
-        del versions[page]
-        if not versions:
-            del self.agnostic[entry.key.agnostic]
+        del self.by_key[entry.key]
         self.pool.decref([page])

@@ -2,15 +2,15 @@
 
 A page is held by the requests that run on it and by the index while it is cached. A request's pages hold
 its entries in plan order (minakv/cache/plan.py), so a page's key is the hash chain of its entries'
-records. Each record already names its position (a re-rotated copy is an entry of its own), so the engine's
-keys are exact keys; the index's position-agnostic side simply never finds a different version here.
+records (minakv/cache/keys.py). Each record already names its position (a re-rotated copy is an entry of
+its own), so a key match means the page can be shared as is.
 Eviction is the index's: pages only the index holds, dropped-only pages first, then least recently used.
 """
 
 from __future__ import annotations
 
 from minakv.cache.index import PageIndex
-from minakv.cache.keys import PageKey, hash_parts, root_key
+from minakv.cache.keys import PageKey, page_keys
 from minakv.cache.pool import PagePool
 
 
@@ -29,21 +29,16 @@ class KVCache:
     def keys(
         self, records: list[bytes], positions: list[int], dead: list[bool] | None = None
     ) -> list[PageKey]:
-        """Chained keys of the full pages of `records` (`dead[p]`: page p holds only dropped entries)."""
-        keys, prev, ps = [], hash_parts(root_key(self.page_size), b"engine-entries"), self.page_size
-        for p in range(len(records) // ps):
-            prev = hash_parts(prev, *records[p * ps : (p + 1) * ps])
-            keys.append(
-                PageKey(p, prev, prev, tuple(positions[p * ps : (p + 1) * ps]), bool(dead and dead[p]))
-            )
-        return keys
+        """Chained keys of the full pages of `records` (`dead[p]`: page p holds only dropped entries).
+        `positions` adds nothing to the key (every record names its position already)."""
+        return page_keys(records, self.page_size, dead)
 
     def match(self, keys: list[PageKey]) -> list[int | None]:
         """Per key, the cached page with exactly that content, or None. It does not stop at a missing
         page: an evicted page leaves a hole and the pages after it still match."""
         if not self.enabled:
             return [None] * len(keys)
-        return [m.page if m is not None and m.kind == "exact" else None for m in self.index.match(keys)]
+        return self.index.match(keys)
 
     def available(self, exclude: list[int] = ()) -> int:
         """Pages a request could get now: free ones plus evictable cached ones not in `exclude`."""

@@ -13,11 +13,11 @@ outside its segment, and the record of every entry for cache keys.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from minakv.cache.keys import hash_parts, record  # record: the scheduler imports it from here too
 from minakv.cache.program import NEVER, Program
 
 
@@ -64,14 +64,7 @@ def _event_digest(prev: bytes, program: Program, point: int) -> bytes:
     if not ranges and not repos:
         return prev
     text = f"@{point}:drop{ranges}:repos{repos}".encode()
-    return hashlib.blake2b(prev + text, digest_size=16).digest()
-
-
-def record(digest: bytes, token: int, entry: Entry, source_position: int | None = None) -> bytes:
-    """What an entry holds: token `token` after the events in `digest`, rotated at `entry.position`
-    (a copy also names the position it was rotated from, which with the digest pins its source)."""
-    kind = b"B" if source_position is None else b"C%d" % source_position
-    return b"%s|%d|%d|%s;" % (digest, token, entry.position, kind)
+    return hash_parts(prev, text)
 
 
 def plan_request(program: Program, token_ids: list[int]) -> Plan:

@@ -28,28 +28,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import pairwise
 
 import numpy as np
 
 from minakv.cache.validate import CacheOpError, check_owners, parse_drop, parse_reposition
 
 NEVER = np.iinfo(np.int64).max  # visible_until of a token no drop of this request removes
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Queries that see the same earlier keys at the same positions (docs/design.md 3.3).
-
-    Query i of the segment sees `keys` at `key_positions`, plus `queries[: i + 1]` at their
-    `query_positions` (its own causal prefix). Keys come before the queries and, like every active token,
-    sit at increasing positions in logical order; windows and sinks are applied by attention, by position.
-    """
-
-    queries: np.ndarray  # int64 token indices, consecutive
-    query_positions: np.ndarray  # int64
-    keys: np.ndarray  # int64 token indices < queries[0], increasing
-    key_positions: np.ndarray  # int64, increasing
 
 
 @dataclass(frozen=True)
@@ -72,10 +56,6 @@ class Program:
     def num_tokens(self) -> int:
         return len(self.owners)
 
-    @property
-    def num_stages(self) -> int:
-        return len(self.stage_starts)
-
     def stage_of(self, tokens: Iterable[int] | np.ndarray) -> np.ndarray:
         """The stage each query lives in (the number of effective repositions before it)."""
         return np.searchsorted(self.stage_starts, np.asarray(tokens, dtype=np.int64), side="right") - 1
@@ -93,23 +73,6 @@ class Program:
         if not self.num_tokens:
             return np.full(t.shape, NEVER, dtype=np.int64)
         return np.where(prompt, self.visible_until[np.where(prompt, t, 0)], NEVER)
-
-    def positions_at(self, tokens: Iterable[int] | np.ndarray, stage: int) -> np.ndarray:
-        """Positions of tokens in a stage; each must be a survivor of the stage or born in or before it."""
-        t = np.asarray(tokens, dtype=np.int64)
-        return _stage_positions(
-            t, int(self.stage_starts[stage]), self.survivors[stage], self.birth_positions(t)
-        )
-
-    def stages_of(self, token: int) -> list[tuple[int, int]]:
-        """(stage, position) for every stage the token lives through: birth, then each reposition."""
-        born = int(self.stage_of([token])[0])
-        out = [(born, int(self.birth_positions([token])[0]))]
-        for s in range(born + 1, self.num_stages):
-            rank = int(np.searchsorted(self.survivors[s], token))
-            if rank < len(self.survivors[s]) and self.survivors[s][rank] == token:
-                out.append((s, rank))
-        return out
 
     # -- what queries see -----------------------------------------------------------------------------
 
@@ -131,61 +94,12 @@ class Program:
         ]).astype(np.int64)  # fmt: skip
         return keys, positions
 
-    def visible(self, query: int) -> tuple[np.ndarray, np.ndarray]:
-        """Everything query `query` attends to (itself included) and the positions it sees them at."""
-        keys, pos = self.active_before(query)
-        stage = int(self.stage_of([query])[0])
-        return np.append(keys, query), np.append(pos, self.positions_at([query], stage))
-
-    @cached_property
-    def all_cut_points(self) -> np.ndarray:
-        """Every drop and effective reposition point, sorted: where visibility changes."""
-        points = np.asarray([*self.drop_ranges, *self.stage_starts[1:].tolist()], dtype=np.int64)
-        return np.unique(points)
-
-    def cut_points(self, a: int, b: int) -> np.ndarray:
-        """Drop and reposition points strictly inside (a, b)."""
-        points = self.all_cut_points
-        return points[np.searchsorted(points, a, side="right") : np.searchsorted(points, b, side="left")]
-
-    def segments(self, a: int, b: int) -> list[Segment]:
-        """Cut the queries [a, b) (a chunk; may run past the prompt into generated tokens) into segments."""
-        if a >= b:
-            return []
-        bounds = [a, *self.cut_points(a, b).tolist(), b]
-        out = []
-        for s, e in pairwise(bounds):
-            keys, key_pos = self.active_before(s)
-            queries = np.arange(s, e, dtype=np.int64)
-            out.append(Segment(queries, self.birth_positions(queries), keys, key_pos))
-        return out
-
     # -- the state after the prompt ---------------------------------------------------------------------
 
     @cached_property
     def final_active(self) -> np.ndarray:
         """Prompt tokens the first generated token sees (after the events at the end of the prompt)."""
         return np.nonzero(self.visible_until == NEVER)[0].astype(np.int64)
-
-    @cached_property
-    def final_positions(self) -> np.ndarray:
-        return self.positions_at(self.final_active, self.num_stages - 1)
-
-    @cached_property
-    def last_positions(self) -> np.ndarray:
-        """Per prompt token, the position it holds when last seen: its final position if still active,
-        else its position just before it was dropped. This is the position cached KV is kept at."""
-        last_query = np.where(self.visible_until == NEVER, self.num_tokens, self.visible_until - 1)
-        stages = self.stage_of(last_query)
-        out = np.empty(self.num_tokens, dtype=np.int64)
-        for s in np.unique(stages):
-            mask = stages == s
-            out[mask] = self.positions_at(np.nonzero(mask)[0], int(s))
-        return out
-
-    def room(self) -> int | None:
-        """How many tokens can still be generated before a position reaches max_positions."""
-        return None if self.max_positions is None else self.max_positions - self.next_pos
 
     def events_at(self, point: int) -> tuple[list[tuple[int, int]], bool]:
         """The events just before token `point` is born: dropped token ranges, and an effective reposition."""

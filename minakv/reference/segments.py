@@ -11,7 +11,8 @@ windows and sinks applied by position (docs/design.md 3.3):
 
 Within one layer every row's K/V is computed before attention, so a segment may read keys produced by an
 earlier segment of the same pass: that is what lets a restore recompute a whole dependency closure at once.
-The engine's paged worker takes the same metadata (token indices become slots).
+The engine's paged worker takes the same metadata (token indices become slots, segments come from
+minakv/cache/plan.py); `segments(program, a, b)` cuts a chunk of queries straight from the program.
 """
 
 from __future__ import annotations
@@ -19,14 +20,43 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import pairwise
 
 import numpy as np
 import torch
 
-from minakv.cache.program import Segment
+from minakv.cache.program import Program
 from minakv.model.context import AttentionLayer
 from minakv.ops.attention import masked_attention, position_mask
 from minakv.ops.rope import apply_rope, rerotate
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Queries that see the same earlier keys at the same positions (docs/design.md 3.3).
+
+    Query i of the segment sees `keys` at `key_positions`, plus `queries[: i + 1]` at their
+    `query_positions` (its own causal prefix). Keys come before the queries and, like every active token,
+    sit at increasing positions in logical order; windows and sinks are applied by attention, by position.
+    """
+
+    queries: np.ndarray  # int64 token indices, consecutive
+    query_positions: np.ndarray  # int64
+    keys: np.ndarray  # int64 token indices < queries[0], increasing
+    key_positions: np.ndarray  # int64, increasing
+
+
+def segments(program: Program, a: int, b: int) -> list[Segment]:
+    """Cut the queries [a, b) (a chunk; may run past the prompt into generated tokens) into segments:
+    visibility changes only at drop and reposition points."""
+    points = {*program.drop_ranges, *program.stage_starts[1:].tolist()}
+    bounds = [a, *sorted(p for p in points if a < p < b), b] if a < b else []
+    out = []
+    for s, e in pairwise(bounds):
+        keys, key_pos = program.active_before(s)
+        queries = np.arange(s, e, dtype=np.int64)
+        out.append(Segment(queries, program.birth_positions(queries), keys, key_pos))
+    return out
 
 
 @dataclass
