@@ -1,57 +1,287 @@
-"""Turning logits into tokens: temperature, top-k, top-p, per-request seeds, logprobs.
+"""Turning logits into tokens for the whole batch at once, on the device: greedy, temperature, top-k, top-p,
+min-p, per-request seeds, logprobs.
 
-Each request owns a `torch.Generator`, so a fixed seed reproduces its output whatever else is in the batch.
+Sampling is Gumbel-max: with E_i ~ Exp(1) independent, argmax_i (log p_i - log E_i) is distributed as p (the
+"exponential race": token i arrives at time E_i / p_i, and the first arrival is i with probability p_i). So
+a draw is one elementwise pass and one argmax per row, with no per-row cumulative sum or inverse CDF.
+
+The noise is counter-based: E for (request seed, output index, vocabulary id) is a fixed integer hash of
+those three numbers, turned into a uniform u in (0, 1) and then E = -log(1 - u). No generator state is
+carried from step to step and nothing is drawn for the batch as a whole, so a row's noise, and thus its
+token, depend only on its own logits, seed and position: a seeded request gives the same tokens alone or in
+any batch, at any place in it. A request without a seed gets one drawn once by its caller
+(`secrets.randbits(63)`) and kept for its lifetime, so it too is one fixed stream.
+
+Filtering is a per-row threshold on the temperature-scaled logits z = logits / T, in this order: top-k keeps
+the k largest; top-p keeps the smallest prefix of the sorted (top-k renormalised) distribution whose mass
+reaches top_p (the first token always stays); min-p keeps z >= max z + log(min_p), i.e. p >= min_p * p_max.
+Tokens tied with the last kept one are kept too. The sort runs only when some row asks for top-k or top-p.
+
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), as OpenAI reports them.
+The host reads everything back in one transfer at the end of the step (`sample_to_host`).
 """
 
 from __future__ import annotations
 
+import secrets
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
 
 from minakv.outputs import TokenLogprob
 from minakv.params import SamplingParams
 
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k and outside the smallest set with mass >= top_p."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # keep a token if the mass strictly before it is < top_p (so the first token always stays)
-        before = probs.cumsum(dim=-1) - probs
-        remove = before >= top_p
-        logits = logits.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
-    return logits
+MIN_TEMPERATURE = 1e-5  # below this a row is greedy: z = logits / T would only round the argmax differently
+MASK32 = 0xFFFFFFFF
+# Multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 products never overflow.
+MIX1, MIX2, GOLDEN = 0x7FEB352D, 0x5BD1E995, 0x3C6EF372
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+@dataclass
+class SamplingTensors:
+    """The per-row sampling numbers of one step on the device, plus host-side flags that pick the work."""
+
+    temperature: torch.Tensor  # [R] float32, 1.0 on greedy rows (their result is the raw argmax)
+    top_k: torch.Tensor  # [R] int64, V (no limit) where unset
+    top_p: torch.Tensor  # [R] float32
+    min_p: torch.Tensor  # [R] float32
+    key: torch.Tensor  # [R] int64: a 32-bit hash of (seed, counter), the row's noise stream
+    greedy: torch.Tensor  # [R] bool
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_top_k: int  # the largest top_k among sampled rows (0 when none)
+    needs_logprobs: bool
+    max_logprobs: int  # the largest top-n asked for (0 when only chosen logprobs, or none)
+
+    @staticmethod
+    def build(
+        params: list[SamplingParams], seeds: list[int], counters: list[int], device: torch.device | str
+    ) -> SamplingTensors:
+        """seeds: one per row (the request's seed, or one drawn once for it); counters: how many tokens the
+        request has generated so far. O(batch) host work and one host-to-device copy."""
+        greedy = [p.temperature < MIN_TEMPERATURE for p in params]
+        floats = torch.tensor(
+            [
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                [p.top_p for p in params],
+                [getattr(p, "min_p", 0.0) or 0.0 for p in params],
+            ],
+            dtype=torch.float64,
+        )
+        ints = torch.tensor(
+            [
+                [p.top_k for p in params],
+                greedy,
+                [s & MASK32 for s in seeds],
+                [(s >> 32) & MASK32 for s in seeds],
+            ],
+            dtype=torch.int64,
+        )
+        counter = torch.tensor(counters, dtype=torch.int64)
+        # the row key is mixed here on the host ([R] values, cheap) so the device sees one copy and no launches
+        ints[2] = mix32(ints[2] ^ mix32(ints[3] ^ mix32(counter * GOLDEN + GOLDEN)))
+        packed = torch.cat([floats.view(torch.int64), ints[:3]])  # float bits ride along in the one copy
+        packed = packed.to(device, non_blocking=True)  # small: pinning it would cost more than it saves
+        f = packed[:3].view(torch.float64).float()
+        top_k, g, key = packed[3:]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingTensors(
+            temperature=f[0],
+            top_k=top_k,
+            top_p=f[1],
+            min_p=f[2],
+            key=key,
+            greedy=g.bool(),
+            all_greedy=all(greedy),
+            any_top_k=any(0 < p.top_k for p, gr in zip(params, greedy) if not gr),
+            any_top_p=any(p.top_p < 1.0 for p, gr in zip(params, greedy) if not gr),
+            any_min_p=any((getattr(p, "min_p", 0.0) or 0.0) > 0 for p, gr in zip(params, greedy) if not gr),
+            max_top_k=max((p.top_k for p, gr in zip(params, greedy) if not gr), default=0),
+            needs_logprobs=bool(wanted),
+            max_logprobs=max(wanted, default=0),
+        )
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (murmur-style xor-shift-multiply) on int64 values in [0, 2**32)."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = (x * MIX1) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MIX2) & MASK32
+    return x ^ (x >> 16)
+
+
+_vocab_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def neg_log_exponential(key: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, V] float32: -log E for E ~ Exp(1), a pure function of (row key, vocabulary id)."""
+    cache = (vocab, key.device)
+    if cache not in _vocab_hash:  # the per-id half of the hash does not change from step to step
+        _vocab_hash[cache] = mix32(torch.arange(vocab, device=key.device, dtype=torch.int64) * GOLDEN)
+    x = _vocab_hash[cache][None, :] ^ key[:, None]
+    x ^= x >> 16
+    x.mul_(MIX1).bitwise_and_(MASK32)
+    x ^= x >> 15
+    x.mul_(MIX2).bitwise_and_(MASK32)
+    x ^= x >> 16
+    # u in (0, 1): fine-grained near 0, where E = -log1p(-u) ~ u is small and the noise large; capped below
+    # 1 so that E > 0 stays finite and a lone kept token always wins.
+    u = x.float().add_(0.5).mul_(2.0**-32).clamp_(max=1.0 - 2.0**-24)
+    return u.neg_().log1p_().neg_().log_().neg_()
+
+
+def thresholds(z: torch.Tensor, t: SamplingTensors) -> torch.Tensor | None:
+    """[R, 1] float32: the smallest z a row keeps under its top-k, top-p and min-p, or None (keep all)."""
+    rows = z.shape[0]
+    thr = torch.full((rows, 1), float("-inf"), device=z.device)
+    if t.any_top_k or t.any_top_p:
+        # top-p needs the whole sorted row; top-k alone only the largest max_top_k (a partial selection)
+        width = z.shape[-1] if t.any_top_p else min(t.max_top_k, z.shape[-1])
+        sorted_z = (
+            torch.sort(z, dim=-1, descending=True).values if t.any_top_p else torch.topk(z, width).values
+        )
+        has_k = (t.top_k > 0)[:, None]
+        k = torch.where(has_k, t.top_k.clamp(min=1, max=width)[:, None], width)
+        thr = torch.where(has_k, sorted_z.gather(1, k - 1), thr)
+        if t.any_top_p:
+            # unnormalised probabilities of the sorted row, zero past each row's k; keep a token while the
+            # mass strictly before it is < top_p of the kept total (so the first token always stays)
+            col = torch.arange(width, device=z.device)[None, :]
+            e = (sorted_z - sorted_z[:, :1].nan_to_num(neginf=0.0)).exp_().masked_fill_(col >= k, 0.0)
+            cum = e.cumsum(dim=-1)
+            total = cum[:, -1:]
+            count = (cum.sub_(e) < t.top_p[:, None] * total).sum(dim=-1, keepdim=True).clamp_(min=1)
+            thr_p = sorted_z.gather(1, torch.minimum(count, k) - 1)
+            thr = torch.where(t.top_p[:, None] < 1.0, torch.maximum(thr, thr_p), thr)
+    if t.any_min_p:
+        log_min_p = torch.where(t.min_p > 0, t.min_p.log(), float("-inf"))[:, None]
+        thr = torch.maximum(thr, z.amax(dim=-1, keepdim=True) + log_min_p)
+    return thr if (t.any_top_k or t.any_top_p or t.any_min_p) else None
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors | list[SamplingParams], generators=None):
+    """logits [R, V] -> [R] int64 token ids on the device, with no host sync."""
+    if not isinstance(t, SamplingTensors):  # temporary: the old per-request-generator call, until rewired
+        return _sample_legacy(logits, t, generators)
+    logits = logits.float()
+    greedy_tokens = logits.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy_tokens
+    # Subtract the row max before dividing, so a tiny temperature cannot overflow to inf (and inf - inf).
+    top = logits.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    z = (logits - top).div_(t.temperature[:, None])
+    thr = thresholds(z, t)
+    if z.is_cuda:
+        return torch.where(t.greedy, greedy_tokens, gumbel_argmax_cuda(z, t.key, thr))
+    score = neg_log_exponential(t.key, z.shape[-1])
+    if thr is not None:
+        score.masked_fill_(z < thr, float("-inf"))
+    score.add_(z)  # log p + Gumbel noise, up to a per-row constant that does not move the argmax
+    return torch.where(t.greedy, greedy_tokens, score.argmax(dim=-1))
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D  # uint32 products wrap mod 2**32, as the masked int64 ones do
+    x = x ^ (x >> 15)
+    x = x * 0x5BD1E995
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(z_ptr, key_ptr, thr_ptr, best_ptr, idx_ptr, V, splits, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr):  # fmt: skip
+    """One (row, vocabulary chunk): the noise of `neg_log_exponential`, the threshold, the chunk's argmax."""
+    row, split = tl.program_id(0), tl.program_id(1)
+    key = tl.load(key_ptr + row).to(tl.uint32)
+    thr = tl.load(thr_ptr + row)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], 2**31 - 1, tl.int32)
+    for start in range(split * CHUNK, tl.minimum(split * CHUNK + CHUNK, V), BLOCK):
+        ids = start + tl.arange(0, BLOCK)
+        z = tl.load(z_ptr + row.to(tl.int64) * V + ids, mask=ids < V, other=float("-inf"))
+        x = _mix32(_mix32(ids.to(tl.uint32) * 0x3C6EF372) ^ key)
+        u = tl.minimum((x.to(tl.float32) + 0.5) * 2.0**-32, 1.0 - 2.0**-24)
+        score = tl.where(z >= thr, z - libdevice.log(-libdevice.log1p(-u)), float("-inf"))
+        better = score > best  # strictly: an earlier id keeps a tie, as torch.argmax does
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, ids, best_idx)
+    top = tl.max(best, axis=0)
+    idx = tl.min(tl.where(best == top, best_idx, 2**31 - 1), axis=0)
+    tl.store(best_ptr + row * splits + split, top)
+    tl.store(idx_ptr + row * splits + split, tl.minimum(idx, V - 1))
+
+
+def gumbel_argmax_cuda(z: torch.Tensor, key: torch.Tensor, thr: torch.Tensor | None) -> torch.Tensor:
+    """The fused form of `neg_log_exponential` + mask + argmax: one read of z, no [R, V] temporaries."""
+    rows, vocab = z.shape
+    chunk = 8192
+    splits = triton.cdiv(vocab, chunk)
+    if thr is None:
+        thr = torch.full((rows, 1), float("-inf"), device=z.device)
+    best = torch.empty(rows, splits, device=z.device)
+    idx = torch.empty(rows, splits, device=z.device, dtype=torch.int32)
+    _gumbel_argmax_kernel[(rows, splits)](z.contiguous(), key, thr.contiguous(), best, idx, vocab, splits,
+                                          CHUNK=chunk, BLOCK=1024, num_warps=4)  # fmt: skip
+    return idx.gather(1, best.argmax(dim=1, keepdim=True))[:, 0].long()
+
+
+def sample_to_host(
+    logits: torch.Tensor, t: SamplingTensors, params: list[SamplingParams]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits float32 [R, V], one row per request -> one token id and optional logprob record per row."""
-    tokens: list[int] = []
+    """Tokens and logprob records of one step, read back to the host in a single transfer."""
+    return unpack(sample_packed(logits, t)[1].tolist(), params, t.max_logprobs)
+
+
+def sample_packed(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's results still on the device: tokens [R] int64, and everything the host needs packed into one
+    float64 [R, C] tensor (token, chosen logprob, top ids, top logprobs; ids < 2**53 are exact), so a caller
+    can start its one copy to the host and wait for it later. `unpack` reads it."""
+    tokens = sample(logits, t)
+    cols = [tokens[:, None].double()]
+    if t.needs_logprobs:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        cols.append(lp.gather(1, tokens[:, None]).double())
+        if t.max_logprobs > 0:
+            values, ids = torch.topk(lp, t.max_logprobs, dim=-1)
+            cols += [ids.double(), values.double()]
+    return tokens, torch.cat(cols, dim=1)
+
+
+def unpack(
+    packed: list[list[float]], params: list[SamplingParams], max_logprobs: int
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """`sample_packed`'s tensor, as a list on the host -> token ids and per-row logprob records (each row's
+    top list sliced to what it asked for)."""
+    tokens = [int(row[0]) for row in packed]
     records: list[TokenLogprob | None] = []
-    logprobs = (
-        torch.log_softmax(logits.float(), dim=-1) if any(p.logprobs is not None for p in params) else None
-    )
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        x = logits[row].float()
-        if p.temperature == 0:
-            token = int(torch.argmax(x))
-        else:
-            x = filter_logits(x / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(x, dim=-1)
-            token = int(torch.multinomial(probs.cpu(), 1, generator=gen))
-        tokens.append(token)
-        if p.logprobs is None or logprobs is None:
+    n = max_logprobs
+    for row, p in zip(packed, params):
+        if p.logprobs is None or len(row) == 1:
             records.append(None)
             continue
-        lp = logprobs[row]
-        top: list[tuple[int, float]] = []
-        if p.logprobs > 0:
-            values, ids = torch.topk(lp, p.logprobs)
-            top = [(int(i), float(v)) for i, v in zip(ids, values)]
-        records.append(TokenLogprob(token, float(lp[token]), top))
+        top = [(int(i), v) for i, v in zip(row[2 : 2 + p.logprobs], row[2 + n : 2 + n + p.logprobs])]
+        records.append(TokenLogprob(int(row[0]), row[1], top))
     return tokens, records
+
+
+def _sample_legacy(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The old `sample(logits, params, generators)`: each step's seed is drawn from the request's generator
+    (so a seeded request still reproduces), or fresh from `secrets` for an unseeded one."""
+    seeds = [
+        int(torch.randint(0, 2**62, (1,), generator=g)) if g is not None else secrets.randbits(63)
+        for g in generators
+    ]
+    t = SamplingTensors.build(params, seeds, [0] * len(params), logits.device)
+    return sample_to_host(logits, t, params)
