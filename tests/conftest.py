@@ -46,3 +46,18 @@ def tiny_dir(minakv_cache: Path):
     from minakv.presets import resolve_model
 
     return resolve_model
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny transformers checkpoints of both families, plain and quantised (tests/helpers/checkpoints.py),
+    written once per session."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from helpers.checkpoints import quantise_checkpoint, save_hf
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    dirs = {arch: save_hf(arch, root / arch) for arch in ("gpt_oss", "minimax_m2")}
+    dirs["gpt_oss_mxfp4"] = quantise_checkpoint(dirs["gpt_oss"], root / "gpt_oss_mxfp4")
+    dirs["minimax_m2_fp8"] = quantise_checkpoint(dirs["minimax_m2"], root / "minimax_m2_fp8")
+    return dirs

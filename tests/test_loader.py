@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from test_model_parity import quantise_checkpoint, rel_err, save_hf
+from helpers.checkpoints import quantise_checkpoint, rel_err, save_hf
 
 from minakv.model import load_model
 from minakv.model.loader import CheckpointError, resolve_path

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_parity import checkpoints, rel_err  # noqa: F401  (checkpoints is a fixture)
+from helpers.checkpoints import rel_err
 
 from minakv.model import load_model
 from minakv.reference.dense import DenseContext, generate_greedy
@@ -27,7 +27,7 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 @pytest.mark.parametrize("which", ["gpt_oss", "gpt_oss_mxfp4", "minimax_m2", "minimax_m2_fp8"])
-def test_cuda_matches_cpu(checkpoints: dict[str, Path], which: str) -> None:  # noqa: F811
+def test_cuda_matches_cpu(checkpoints: dict[str, Path], which: str) -> None:
     path = checkpoints[which]
     ids = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(0))
     ref = logits(load_model(path, device="cpu", dtype=torch.float32), ids)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_server_e2e import ServerThread  # the same in-process server harness
+from helpers.server import ServerThread  # the same in-process server harness
 
 from minakv.engine import Engine
 from minakv.server.app import make_app

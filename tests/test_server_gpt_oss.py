@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from test_server_e2e import ServerThread, chat_bytes, greedy, hand_thinking_drop, token_bytes, wait_idle
+from helpers.server import ServerThread, chat_bytes, greedy, hand_thinking_drop, token_bytes, wait_idle
 
 from minakv.engine import Engine
 from minakv.server.app import make_app
