@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # plan.py imports this module: the type only, no import cycle
     from minakv.cache.plan import Entry
 
 
-ROOT = b"minakv-cache-v2"  # the chain's start (a new version tag never matches an old key)
+ROOT = b"minakv-cache-v2"  # the chain's start, with the page size (a new version tag matches no old key)
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def record(digest: bytes, token: int, entry: Entry, source_position: int | None 
 
 def page_keys(records: Sequence[bytes], page_size: int, dead: Sequence[bool] | None = None) -> list[PageKey]:
     """Chained keys of the full pages of `records` (`dead[p]`: page p holds only dropped entries)."""
-    prev = ROOT
+    prev = hash_parts(ROOT, b"%d" % page_size)  # the same records in pages of another size are other pages
     keys = []
     for p in range(len(records) // page_size):
         prev = hash_parts(prev, *records[p * page_size : (p + 1) * page_size])

@@ -44,9 +44,6 @@ class PagePool:
     def num_used(self) -> int:
         return self.num_pages - len(self.free)
 
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
             raise PoolExhausted(f"need {n} pages, {len(self.free)} free of {self.num_pages}")
