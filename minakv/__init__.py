@@ -5,9 +5,9 @@ engine = Engine("tiny-gpt-oss")
 print(engine.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text)
 """
 
-from minakv.engine import Engine, Overloaded
+from minakv.engine import CacheOpError, Engine, Overloaded
 from minakv.outputs import RequestOutput, Usage
 from minakv.params import SamplingParams
 
-__all__ = ["Engine", "Overloaded", "RequestOutput", "SamplingParams", "Usage"]
+__all__ = ["CacheOpError", "Engine", "Overloaded", "RequestOutput", "SamplingParams", "Usage"]
 __version__ = "0.1.0"

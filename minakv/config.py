@@ -18,6 +18,7 @@ class EngineConfig:
     max_queued_requests: int = 1024  # waiting requests before submit raises Overloaded
     enable_prefix_cache: bool = True  # publish finished states and match new requests against them
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode-only steps (CUDA only)
+    overlap: bool = True  # prepare step N + 1 on the host while the device runs step N (same results)
     memory_fraction: float = 0.85  # of free accelerator memory (or a share of RAM on cpu) for the KV pool
 
     def check(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from minakv.cache.validate import CacheOpError
 from minakv.config import EngineConfig
 from minakv.model import CausalLM, default_device_dtype, load_model
 from minakv.outputs import RequestOutput
@@ -30,9 +31,13 @@ from minakv.prompt import make_request
 from minakv.scheduler.request import Request
 from minakv.scheduler.scheduler import Scheduler
 from minakv.text.tokenizer import Tokenizer
-from minakv.worker.worker import Worker, kv_bytes_per_token
+from minakv.worker.batch import ForwardBatch
+from minakv.worker.worker import Launched, Worker, kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
+
+
+__all__ = ["CacheOpError", "Engine", "Overloaded"]
 
 
 class Overloaded(RuntimeError):
@@ -83,7 +88,11 @@ class Engine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         per_token = kv_bytes_per_token(self.model, dtype)
         num_pages = max(1, pool_tokens(config, per_token, device) // config.page_size)
-        self.worker = Worker(self.model, num_pages * config.page_size, cuda_graphs=config.cuda_graphs)
+        num_slots = num_pages * config.page_size
+        max_keys = min(num_slots, self.max_model_len) + 1  # the most keys one decode token can read
+        self.worker = Worker(
+            self.model, num_slots, config.max_num_seqs, max_keys, cuda_graphs=config.cuda_graphs
+        )
         self.scheduler = Scheduler(config, num_pages, per_token, self.tokenizer, self.max_model_len)
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -92,6 +101,7 @@ class Engine:
         self._step_lock = threading.Lock()  # held while the scheduler changes: stats() sees a whole step
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._inflight: tuple[ForwardBatch, Launched] | None = None  # the step the device is running
 
     # ----- synchronous use -----
     def generate(
@@ -173,6 +183,11 @@ class Engine:
             self._drain()
         self._wake.set()
 
+    @property
+    def arch(self) -> str:
+        """The model family ("gpt_oss" or "minimax_m2"): it decides how output text is parsed."""
+        return self.model.config.arch
+
     def stats(self) -> dict[str, Any]:
         with self._step_lock:
             return self.scheduler.stats()
@@ -183,10 +198,21 @@ class Engine:
             self.scheduler.check()
 
     def step(self) -> list[Request]:
-        """One engine step: schedule a batch, run it on the worker, apply the results. Returns the requests
-        with news (new tokens, or finished). Only one thread steps at a time (`generate` or the loop)."""
+        """One engine step: schedule a batch, launch it on the worker, apply the results of the step before
+        (overlap: the host prepares step N + 1 while the device runs step N; without it, of this very step).
+        Returns the requests with news (new tokens, or finished). Only one thread steps at a time."""
         batch = self.scheduler.schedule()
-        return self.scheduler.update(batch, self.worker.step(batch))
+        step = (batch, self.worker.launch(batch)) if batch.num_tokens or batch.rerotate[0] else None
+        previous, self._inflight = self._inflight, step
+        changed = self.scheduler.update(previous[0], self.worker.collect(previous[1])) if previous else []
+        if not self.config.overlap:
+            changed += self._flush()
+        return changed
+
+    def _flush(self) -> list[Request]:
+        """Apply the step in flight, if any."""
+        previous, self._inflight = self._inflight, None
+        return self.scheduler.update(previous[0], self.worker.collect(previous[1])) if previous else []
 
     # ----- internals -----
     def _make(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
@@ -227,6 +253,7 @@ class Engine:
                 except Exception as exc:
                     logger.exception("engine step failed; failing the running requests")
                     with self._step_lock:
+                        self._inflight = None
                         changed += self.scheduler.fail_all(f"internal error: {exc!r}")
             elif not changed:
                 self._wake.wait(timeout=0.5)

@@ -81,4 +81,4 @@ def make_request(
         raise ValueError(f"the first generated token would sit at position {program.next_pos}, past {limit}")
     eos = list(tokenizer.eos_token_ids) if tokenizer is not None else []
     eos += [t for t in config.eos_token_ids if t not in eos]
-    return Request(ids, owners, num_messages, cache, params, program, eos_token_ids=eos)
+    return Request(ids, params, program, eos_token_ids=eos)

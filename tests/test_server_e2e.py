@@ -373,7 +373,7 @@ def test_engine_failure_is_a_500_and_the_server_goes_on(
     engine: Engine, client: openai.OpenAI, monkeypatch
 ) -> None:
     wait_idle(engine)
-    real_step = engine.worker.step
+    real_step = engine.worker.launch
     calls = {"n": 0}
 
     def failing_step(batch):
@@ -382,7 +382,7 @@ def test_engine_failure_is_a_500_and_the_server_goes_on(
             raise RuntimeError("injected failure")
         return real_step(batch)
 
-    monkeypatch.setattr(engine.worker, "step", failing_step)
+    monkeypatch.setattr(engine.worker, "launch", failing_step)
     msgs = [{"role": "user", "content": "fail once"}]
     with pytest.raises(openai.InternalServerError) as info:
         client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3)

@@ -1,7 +1,9 @@
 """Decode attention: one new query per request over that request's active KV slots.
 
 The keys of request b are `kv_slots[kv_indptr[b]:kv_indptr[b+1]]` (flat slot indices into one layer's
-pool, so any page size works) with positions `kv_pos[...]`; its query sits at `q_pos[b]` and reads a key
+pool, so any page size works) with positions `kv_pos[...]`; with `kv_end` given, `kv_indptr` holds each
+request's start instead, and its keys are `kv_slots[kv_indptr[b]:kv_end[b]]` (the engine's key table:
+one fixed-width row per request); its query sits at `q_pos[b]` and reads a key
 at position k iff `0 <= q_pos - k < window` (docs/design.md 2.4). Sinks join the softmax denominator.
 
 The Triton path is flash-decoding: the keys of each request are cut into `num_splits` chunks, one
@@ -35,10 +37,18 @@ def decode_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
     max_kv_len: int | None = None,  # host-side hint: longest key list (saves a device sync)
+    kv_end: torch.Tensor | None = None,  # [B]: then kv_indptr is [B] starts
 ) -> torch.Tensor:
     """Attention output [B, Hq, D]: Triton on CUDA tensors, the torch reference otherwise."""
     fn = decode_attention_triton if use_triton(q) else decode_attention_ref
-    return fn(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, scale, window, sinks, max_kv_len)
+    return fn(
+        q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, scale, window, sinks, max_kv_len, kv_end
+    )
+
+
+def _bounds(kv_indptr: torch.Tensor, kv_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-request (start, end) of the key range, from CSR offsets or explicit starts and ends."""
+    return (kv_indptr[:-1], kv_indptr[1:]) if kv_end is None else (kv_indptr, kv_end)
 
 
 def decode_attention_ref(
@@ -53,14 +63,15 @@ def decode_attention_ref(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     max_kv_len: int | None = None,
+    kv_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: gather each request's keys and run the dense masked attention."""
-    _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks)
+    _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks, kv_end)
     out = torch.empty_like(q)
-    bounds = kv_indptr.tolist()
+    starts, ends = (t.tolist() for t in _bounds(kv_indptr, kv_end))
     for b in range(q.shape[0]):
-        slots = kv_slots[bounds[b] : bounds[b + 1]].long()
-        mask = position_mask(q_pos[b : b + 1], kv_pos[bounds[b] : bounds[b + 1]], window)
+        slots = kv_slots[starts[b] : ends[b]].long()
+        mask = position_mask(q_pos[b : b + 1], kv_pos[starts[b] : ends[b]].long(), window)
         out[b] = masked_attention(q[b : b + 1], k_cache[slots], v_cache[slots], mask, scale, sinks)[0]
     return out
 
@@ -77,6 +88,7 @@ def decode_attention_triton(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     max_kv_len: int | None = None,
+    kv_end: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     block_n: int = 128,
@@ -84,7 +96,8 @@ def decode_attention_triton(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """The split-K Triton kernel; the keyword-only knobs are for benchmarks and tests."""
-    _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks)
+    _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks, kv_end)
+    starts, ends = _bounds(kv_indptr, kv_end)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -92,7 +105,7 @@ def decode_attention_triton(
     if batch == 0:
         return out
     if max_kv_len is None:
-        max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max().item())
+        max_kv_len = int((ends - starts).max().item())
     if num_splits is None:
         # Aim at ~6 programs per multiprocessor (H200, batch 64 x 8k: 2 splits best, 1 split 40% slower,
         # 16 splits 10% slower); never give a chunk fewer than 4 blocks of keys.
@@ -103,7 +116,7 @@ def decode_attention_triton(
     part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, part_acc, part_ml,
+        q, k_cache, v_cache, starts, ends, kv_slots, kv_pos, q_pos, part_acc, part_ml,
         scale * LOG2E, window if window is not None else 0, keys_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -121,13 +134,16 @@ def decode_attention_triton(
     return out
 
 
-def _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks) -> None:
+def _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks, kv_end=None) -> None:
     check(q.dim() == 3, f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     check(k_cache.dim() == 3 and k_cache.shape == v_cache.shape, "k_cache, v_cache must both be [S, Hkv, D]")
     check(k_cache.shape[2] == q.shape[2], f"head dim of q {q.shape[2]} != cache {k_cache.shape[2]}")
     check(q.shape[1] % k_cache.shape[1] == 0, f"{q.shape[1]} query heads not a multiple of KV heads")
     check(k_cache.stride(2) == 1 and q.stride(2) == 1, "q and caches need a contiguous head dim")
-    check(kv_indptr.shape == (q.shape[0] + 1,), f"kv_indptr must have B + 1 = {q.shape[0] + 1} entries")
+    if kv_end is None:
+        check(kv_indptr.shape == (q.shape[0] + 1,), f"kv_indptr must have B + 1 = {q.shape[0] + 1} entries")
+    else:
+        check(kv_indptr.shape == kv_end.shape == (q.shape[0],), "with kv_end, kv_indptr and kv_end are [B]")
     check(kv_slots.shape == kv_pos.shape and kv_slots.dim() == 1, "kv_slots and kv_pos must be [N] alike")
     check(q_pos.shape == (q.shape[0],), "q_pos must be [B]")
     check(sinks is None or sinks.shape == (q.shape[1],), "sinks must be [Hq]")
@@ -136,7 +152,7 @@ def _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, indptr_ptr, slots_ptr, pos_ptr, q_pos_ptr, acc_ptr, ml_ptr,
+    q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, slots_ptr, pos_ptr, q_pos_ptr, acc_ptr, ml_ptr,
     scale_log2, window, keys_per_split,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -145,8 +161,8 @@ def _decode_split_kernel(
     kv_head = tl.program_id(0)  # fastest: the KV heads of one key row are read together
     b = tl.program_id(1)
     split = tl.program_id(2)
-    start = tl.load(indptr_ptr + b)
-    end = tl.load(indptr_ptr + b + 1)
+    start = tl.load(start_ptr + b)
+    end = tl.load(end_ptr + b)
     lo = start + split * keys_per_split
     hi = tl.minimum(end, lo + keys_per_split)
 

@@ -17,8 +17,10 @@ for example, costs nothing. The walk itself (positions, drops, repositions) come
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from minakv.cache.plan import Entry, Plan
 from minakv.cache.program import Program
@@ -37,15 +39,14 @@ class Status(Enum):
 @dataclass
 class Request:
     prompt_ids: list[int]
-    owners: list[int]
-    num_messages: int
-    ops: dict
     params: SamplingParams
     program: Program
     eos_token_ids: list[int] = field(default_factory=list)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
+    # the sampler's seed: the caller's, or a random one, so seeded and unseeded rows sample alike
+    seed: int = field(default_factory=lambda: secrets.randbits(63))
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # planning and progress (set when the request is admitted; reset when it is preempted)
     plan: Plan | None = None
@@ -56,20 +57,39 @@ class Request:
     todo: list[int] = field(default_factory=list)  # entries to compute (not cached), in order
     cursor: int = 0  # todo[:cursor] are computed
     incomplete: set[int] = field(default_factory=set)  # pages with entries nobody reads, left uncomputed
+    missing: list[int] = field(default_factory=list)  # indices of r.pages still to allocate (-1 there)
     decode_keys: list[int] = field(default_factory=list)  # entries the next generated token reads
-    decode_slots: list[int] = field(default_factory=list)  # their slots and positions, kept step by step
-    decode_pos: list[int] = field(default_factory=list)
+    row: int = -1  # the request's row of the worker's key table (its decode keys on the device), or -1
+    row_len: int = 0  # how many of decode_keys the row holds
     next_pos: int = 0  # position of the next generated token
+    pending: int = 0  # sampled tokens still on the device (steps launched but not yet applied)
+    sample_row: int = -1  # the sample row of r's latest pending token in its batch
+    entry_pos: Any = None  # numpy int64: position of each planned entry
+    segment_arrays: dict[int, Any] = field(default_factory=dict)  # numpy outside keys per segment
     error: str | None = None
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     text: str = ""
     sent_tokens: int = 0  # how many output tokens a stream has already delivered
     sent_text: int = 0
+    detok: Any = None  # incremental detokenizer state (minakv/text/detokenize.py), made on first use
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.seed = self.params.seed
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt and output as one new list: O(length), for planning only (never per token)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
     @property
     def num_prompt(self) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from minakv.cache.kvcache import KVCache
 from minakv.cache.plan import Entry, entries_to_compute, plan_request, record
 from minakv.config import EngineConfig
@@ -37,7 +39,7 @@ class Scheduler:
         self.kv = KVCache(num_pages, config.page_size, config.enable_prefix_cache)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.released: list[str] = []  # finished request ids whose sampler state the worker can drop
+        self.rows = list(range(config.max_num_seqs))[::-1]  # free rows of the worker's key table
         names = ("requests", "prompt_tokens", "output_tokens", "cache_hit_tokens", "prefill_tokens",
                  "preemptions", "decode_tokens", "decode_kv_entries", "errors")  # fmt: skip
         self.counters = dict.fromkeys(names, 0)
@@ -74,9 +76,11 @@ class Scheduler:
 
     # ----- one step: schedule, (the worker runs the batch), update -----
     def schedule(self) -> ForwardBatch:
-        """Admit what fits and build the next forward batch (it may be empty: nothing to compute)."""
+        """Admit what fits and build the next forward batch (it may be empty: nothing to compute). The
+        requests' progress is committed here, so the next batch can be scheduled before this one's tokens
+        are back (the overlap loop); their tokens then reach the worker as references to device rows."""
         self.failed += self._admit()
-        decoding = [r for r in self.running if r.cursor == len(r.todo)]
+        decoding = [r for r in self.running if r.cursor == len(r.todo) and not self._done_by_length(r)]
         for r in decoding:  # reserve decode pages first: this may preempt the youngest requests
             if r.status is Status.RUNNING:
                 self._ensure_pages(r, len(r.entries) + 1)
@@ -84,64 +88,75 @@ class Scheduler:
         for r in decoding:
             if r.status is Status.RUNNING:
                 self._schedule_decode(r, batch)
-                batch.scheduled.append((r, r.cursor, True))
         budget = self.config.max_num_batched_tokens - batch.num_tokens
         for r in self.running:
             if budget <= 0:
                 break
-            if r.cursor < len(r.todo) and r not in decoding:
-                end, computed, samples = self._schedule_prefill(r, batch, budget)
+            if r.cursor < len(r.todo):
+                r.cursor, computed = self._schedule_prefill(r, batch, budget)
                 budget -= computed
                 self.counters["prefill_tokens"] += computed
-                batch.scheduled.append((r, end, samples))
-        batch.release_ids, self.released = self.released, []
         return batch
 
     def update(self, batch: ForwardBatch, result: StepResult) -> list[Request]:
-        """Advance the scheduled requests past the step and apply their sampled tokens; returns the
-        requests with news for their callers (new tokens, or finished)."""
+        """Apply a step's sampled tokens (in sample-row order); returns the requests with news for their
+        callers (new tokens, or finished)."""
         changed, self.failed = self.failed, []
-        row = 0
-        for r, cursor, samples in batch.scheduled:
-            r.cursor = cursor
-            if not samples:
+        for (r, _), token, logprob in zip(batch.scheduled, result.tokens, result.logprobs):
+            r.pending -= 1
+            if r.status is Status.FINISHED:  # ended while this step ran (abort, or a token of the last step)
                 continue
-            token, logprob = result.tokens[row], result.logprobs[row]
-            row += 1
             self.counters["output_tokens"] += 1
             if apply_token(r, token, logprob, self.tokenizer, self.max_model_len):
                 self._finish(r, r.finish_reason)
             changed.append(r)
         return changed
 
+    def _done_by_length(self, r: Request) -> bool:
+        """Will r end by length once its pending tokens arrive? Then it needs no further step."""
+        n = len(r.output_ids) + r.pending
+        limit = r.program.max_positions  # the last of the n tokens would be born at next_pos + n - 1
+        return n > 0 and (
+            n >= r.params.max_tokens
+            or r.num_prompt + n >= self.max_model_len
+            or (limit is not None and r.program.next_pos + n - 1 >= limit)
+        )
+
     def _schedule_decode(self, r: Request, batch: ForwardBatch) -> None:
         """Feed the last sampled token: one new entry at the next position, reading all active keys."""
-        t = len(r.all_ids) - 1
+        t = r.num_tokens + r.pending - 1
         entry = Entry(t, r.next_pos)
         r.entries.append(entry)
-        r.records.append(record(r.plan.final_digest, r.all_ids[t], entry))
         e = len(r.entries) - 1
-        if len(r.decode_slots) != len(r.decode_keys):  # first decode step since (re)admission
-            r.decode_slots = [self._slot(r, k) for k in r.decode_keys]
-            r.decode_pos = [r.entries[k].position for k in r.decode_keys]
+        slot = self._slot(r, e)
+        if r.row < 0:  # first decode step since (re)admission: the row gets all keys at once
+            r.row = self.rows.pop()
+            keys = np.asarray(r.decode_keys, dtype=np.int64)
+            pages = np.asarray(r.pages, dtype=np.int64)
+            slots = pages[keys // self.page_size] * self.page_size + keys % self.page_size
+            positions = np.fromiter((r.entries[k].position for k in r.decode_keys), np.int64, len(keys))
+            batch.write_row(r.row, 0, slots, positions)
+            r.row_len = len(keys)
         r.decode_keys.append(e)
-        r.decode_slots.append(self._slot(r, e))
-        r.decode_pos.append(entry.position)
+        batch.write_row(r.row, r.row_len, [slot], [entry.position])
+        r.row_len += 1
         r.next_pos += 1
-        batch.input_ids.append(r.all_ids[t])
+        # the input: a known token, or the one the previous step samples for r (still on the device)
+        batch.input_ids.append(r.token_at(t) if r.pending == 0 else -(r.sample_row + 1))
         batch.positions.append(entry.position)
-        batch.slots.append(self._slot(r, len(r.entries) - 1))
-        batch.add_keys(r.decode_slots, r.decode_pos)
+        batch.slots.append(slot)
+        batch.decode_rows.append(r.row)
+        batch.decode_lens.append(r.row_len)
         batch.num_decode += 1
         self._sample_last(batch, r)
         self.counters["decode_tokens"] += 1
-        self.counters["decode_kv_entries"] += len(r.decode_keys)
+        self.counters["decode_kv_entries"] += r.row_len
 
-    def _schedule_prefill(self, r: Request, batch: ForwardBatch, budget: int) -> tuple[int, int, bool]:
+    def _schedule_prefill(self, r: Request, batch: ForwardBatch, budget: int) -> tuple[int, int]:
         """The next entries to compute: copies first (re-rotations run before the forward), then computed
         tokens up to the budget, stopping before the next copy (its source may be computed in this very
         batch). A piece of queries is a run of consecutive entries of one segment; cached entries between
-        them (a restore around holes) split pieces. Returns (new cursor, tokens computed, samples?)."""
+        them (a restore around holes) split pieces. Returns (new cursor, tokens computed)."""
         todo, entries, i = r.todo, r.entries, r.cursor
         while i < len(todo) and entries[todo[i]].is_copy:
             e = todo[i]
@@ -151,29 +166,35 @@ class Scheduler:
                 column.append(value)
             r.usage.repos_tokens += 1
             i += 1
-        start, samples = i, False
+        start = i
+        pages = np.asarray(r.pages, dtype=np.int64)
         while i < len(todo) and not entries[todo[i]].is_copy and i - start < budget:
             first = e = todo[i]
             seg = entries[e].segment
             while i < len(todo) and todo[i] == e and entries[e].segment == seg and i - start < budget:
-                batch.input_ids.append(r.all_ids[entries[e].token_index])
+                batch.input_ids.append(r.token_at(entries[e].token_index))
                 batch.positions.append(entries[e].position)
                 batch.slots.append(self._slot(r, e))
                 i, e = i + 1, e + 1
             # the segment's outside keys, plus its members before this piece (cached or computed earlier)
-            outside = r.plan.segment_keys[seg] + list(range(r.plan.segment_start[seg], first))
-            batch.add_keys([self._slot(r, k) for k in outside], [entries[k].position for k in outside])
+            if seg not in r.segment_arrays:
+                r.segment_arrays[seg] = np.asarray(r.plan.segment_keys[seg], dtype=np.int64)
+            outside = np.concatenate([r.segment_arrays[seg], np.arange(r.plan.segment_start[seg], first)])
+            slots = pages[outside // self.page_size] * self.page_size + outside % self.page_size
+            batch.add_segment_keys(slots, r.entry_pos[outside])
             batch.seg_q_indptr.append(batch.num_tokens - batch.num_decode)
             if e - 1 == r.plan.last_entry:
-                samples = True
                 self._sample_last(batch, r)
-        return i, i - start, samples
+        return i, i - start
 
-    @staticmethod
-    def _sample_last(batch: ForwardBatch, r: Request) -> None:
+    def _sample_last(self, batch: ForwardBatch, r: Request) -> None:
+        r.sample_row = len(batch.sample_rows)
         batch.sample_rows.append(batch.num_tokens - 1)
-        batch.sample_ids.append(r.request_id)
         batch.sample_params.append(r.params)
+        batch.sample_seeds.append(r.seed)
+        batch.sample_counters.append(len(r.output_ids) + r.pending)
+        batch.scheduled.append((r, True))
+        r.pending += 1
 
     def _slot(self, r: Request, entry: int) -> int:
         return r.pages[entry // self.page_size] * self.page_size + entry % self.page_size
@@ -183,14 +204,14 @@ class Scheduler:
         """Give r pages for `num_entries` entries (and for pages not taken from the cache), evicting
         cached pages and, if that is not enough, preempting the youngest running requests (possibly r)."""
         while r.status is Status.RUNNING and len(r.pages) * self.page_size < num_entries:
+            r.missing.append(len(r.pages))
             r.pages.append(-1)
-        missing = [i for i, page in enumerate(r.pages) if page < 0]
-        while r.status is Status.RUNNING and missing:
+        while r.status is Status.RUNNING and r.missing:
             page = self.kv.allocate()
             if page is None:
                 self._preempt(self.running[-1])
             else:
-                r.pages[missing.pop()] = page
+                r.pages[r.missing.pop()] = page
 
     def _admit(self) -> list[Request]:
         failed = []
@@ -216,6 +237,7 @@ class Scheduler:
             self.kv.acquire(matched)  # hold them before anything is evicted to make room
             have = [p < len(matches) and matches[p] is not None for p in range(num_pages)]
             r.pages = [matches[p] if have[p] else -1 for p in range(num_pages)]
+            r.missing = [p for p in range(num_pages) if not have[p]]
             have_entry = [have[e // ps] for e in range(len(r.entries))]
             r.todo, r.cursor = entries_to_compute(r.plan, have_entry), 0
             resolved = set(r.todo)
@@ -239,8 +261,9 @@ class Scheduler:
         r.plan = plan
         r.entries, r.records = list(plan.entries), list(plan.records)
         r.page_keys = self.kv.keys(r.records, [e.position for e in r.entries])
+        r.entry_pos = np.fromiter((e.position for e in plan.entries), np.int64, len(plan.entries))
+        r.segment_arrays = {}
         r.decode_keys = list(plan.final_keys)
-        r.decode_slots, r.decode_pos = [], []
         r.next_pos = int(r.program.birth_positions([len(tokens)])[0])
         r.usage.drop_skipped_tokens = plan.num_skipped
 
@@ -254,14 +277,20 @@ class Scheduler:
         if pages:
             ps = self.page_size
             resolved = r.todo[r.cursor] if r.cursor < len(r.todo) else len(r.entries)
-            done = min(resolved // ps, len(r.pages)) * ps
+            for e in r.entries[len(r.records) : resolved]:  # decode entries: their tokens are known now
+                if e.token_index >= r.num_tokens:
+                    break
+                r.records.append(record(r.plan.final_digest, r.token_at(e.token_index), e))
+            done = min(min(resolved, len(r.records)) // ps, len(r.pages)) * ps
             live = set(r.decode_keys)
             dead = [not live.intersection(range(p, p + ps)) for p in range(0, done, ps)]
             keys = self.kv.keys(r.records[:done], [e.position for e in r.entries[:done]], dead)
             publish = [None if p in r.incomplete or r.pages[p] < 0 else key for p, key in enumerate(keys)]
             self.kv.release(pages, dict(zip((r.pages[p] for p in range(len(publish))), publish)))
-        r.pages = []
-        self.released.append(r.request_id)
+        r.pages, r.missing = [], []
+        if r.row >= 0:
+            self.rows.append(r.row)
+            r.row = -1
 
     def _preempt(self, r: Request) -> None:
         self.counters["preemptions"] += 1

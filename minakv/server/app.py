@@ -134,7 +134,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = prompts.sampling_params(req, max_tokens or engine.max_model_len, logprobs)
     prompt, ops, tools_on = prompts.chat_prompt(req, msgspec.json.decode(body))
     tools = prompt.get("tools") if tools_on else None
-    parser = output.ChatParser(engine.model.config.arch, engine.tokenizer, tools)
+    parser = output.ChatParser(engine.arch, engine.tokenizer, tools)
     if ops is not None and ops.thinking_drop:
         try:
             prompt = prompts.thinking_drop_prompt(engine.tokenizer, prompt, ops)

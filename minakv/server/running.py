@@ -12,8 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from minakv.cache.program import CacheOpError
-from minakv.engine import Engine, Overloaded
+from minakv.engine import CacheOpError, Engine, Overloaded
 from minakv.outputs import RequestOutput
 from minakv.params import SamplingParams
 from minakv.server.cache_ops import CacheOps
@@ -78,9 +77,6 @@ async def finish(engine: Engine, stream: AsyncIterator[RequestOutput], request_i
         engine.abort(request_id)
     with contextlib.suppress(RuntimeError, ConnectionError):  # closing twice, or the client is gone
         await stream.aclose()  # type: ignore[attr-defined]
-
-
-ENGINE_FAILED = "the engine failed while running this request; see the server log"
 
 
 def check_failed(out: RequestOutput) -> None:

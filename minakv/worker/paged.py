@@ -1,8 +1,9 @@
 """The attention context of a paged forward step: what the model's attention layers see.
 
-It rotates q/k at the tokens' positions, stores K/V into their slots, then runs decode and segment attention
-over the pool (Triton on CUDA, torch references elsewhere). Metadata is copied to the device once per step
-and shared by all layers.
+It rotates q/k at the tokens' positions, stores K/V into their slots, then runs decode attention (each
+decode query over its row of the key table) and segment attention (each segment over the keys sent with
+the batch, plus its own causal prefix), Triton on CUDA and torch references elsewhere. The metadata is
+copied to the device once per step and shared by all layers.
 """
 
 from __future__ import annotations
@@ -16,32 +17,45 @@ from minakv.ops.decode_attention import decode_attention
 from minakv.ops.kv_store import rotate_and_store
 from minakv.ops.segment_attention import plan_segments, segment_attention
 from minakv.ops.triton_util import use_triton
-from minakv.worker.batch import ForwardBatch, host_int64
+from minakv.worker.batch import ForwardBatch, flatten, host_int64
+
+
+class KeyTable:
+    """Per running request, the (slot, position) of every key its next decode token reads, on the device.
+
+    Row r, columns [0, len): a request's keys in order. Decode attention reads row r as the flat range
+    [r * width, r * width + len) of `slots` and `positions`."""
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.width = width
+        self.slots = torch.zeros(rows * width, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(rows * width, dtype=torch.int32, device=device)
+
+    def write(self, flat: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        self.slots[flat] = slots.to(torch.int32)
+        self.positions[flat] = positions.to(torch.int32)
 
 
 class PagedContext:
-    def __init__(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def __init__(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, table: KeyTable):
         device = k_cache.device
+        b = batch.num_decode
+        starts = [row * table.width for row in batch.decode_rows]
+        ends = [s + n for s, n in zip(starts, batch.decode_lens)]
         # all index lists in one host tensor and one copy: on CUDA a pinned, asynchronous transfer
-        lists = [
-            batch.positions,
-            batch.slots,
-            batch.seg_q_indptr,
-            batch.kv_indptr,
-            batch.kv_slots,
-            batch.kv_pos,
-        ]
-        flat = host_int64(lists, pin=device.type == "cuda")
-        parts = flat.to(device, non_blocking=True).split([len(xs) for xs in lists])
-        # host-side sizes, so the kernels need not read them back from the device
-        lengths = [b - a for a, b in pairwise(batch.kv_indptr)]
-        seg = batch.seg_q_indptr
-        self._init(
-            k_cache, v_cache, *parts, num_decode=batch.num_decode,
-            decode_keys=batch.kv_indptr[batch.num_decode],  # keys of decode queries come first
-            max_kv_len=max(lengths[: batch.num_decode], default=0) + 1,
-            max_seg_len=max((b - a for a, b in pairwise(seg)), default=0),
-        )  # fmt: skip
+        columns = [[batch.positions], [batch.slots], [starts], [ends], [batch.seg_q_indptr],
+                   [batch.seg_kv_indptr], batch.seg_kv_slots, batch.seg_kv_pos]  # fmt: skip
+        chunks, sizes = flatten(columns)
+        parts = host_int64(chunks, pin=device.type == "cuda").to(device, non_blocking=True).split(sizes)
+        positions, slots, kv_start, kv_end, seg_q_indptr, seg_kv_indptr, seg_kv_slots, seg_kv_pos = parts
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.positions, self.slots, self.num_decode = positions, slots, b
+        self.decode = (kv_start, kv_end, table.slots, table.positions)
+        self.max_kv_len = max(batch.decode_lens, default=0)  # host-side sizes: no read-back in the kernels
+        self.segments = (seg_q_indptr, seg_kv_indptr, seg_kv_slots, seg_kv_pos)
+        self.max_seg_len = max((y - x for x, y in pairwise(batch.seg_q_indptr)), default=0)
+        self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plan = None  # the segment kernel's plan, built on first use and shared by all layers
 
     @classmethod
     def decode_only(
@@ -50,36 +64,21 @@ class PagedContext:
         v_cache: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_slots: torch.Tensor,
-        kv_pos: torch.Tensor,
+        kv_start: torch.Tensor,
+        kv_end: torch.Tensor,
+        table: KeyTable,
         max_kv_len: int,
     ) -> PagedContext:
         """A context of decode queries only, over device tensors the caller owns (the static buffers of
         a CUDA graph, minakv/worker/graphs.py); `max_kv_len` bounds every request's key count."""
         self = cls.__new__(cls)
-        empty = torch.zeros(1, dtype=torch.int64, device=k_cache.device)
-        self._init(
-            k_cache, v_cache, positions, slots, empty, kv_indptr, kv_slots, kv_pos,
-            num_decode=positions.shape[0], decode_keys=0, max_kv_len=max_kv_len, max_seg_len=0,
-        )  # fmt: skip
-        return self
-
-    def _init(
-        self, k_cache, v_cache, positions, slots, seg_q_indptr, kv_indptr, kv_slots, kv_pos, *,
-        num_decode: int, decode_keys: int, max_kv_len: int, max_seg_len: int,
-    ) -> None:  # fmt: skip
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.positions, self.slots, self.num_decode = positions, slots, num_decode
-        self.seg_q_indptr, self.kv_indptr, self.kv_slots, self.kv_pos = (
-            seg_q_indptr,
-            kv_indptr,
-            kv_slots,
-            kv_pos,
-        )
-        self.decode_keys, self.max_kv_len, self.max_seg_len = decode_keys, max_kv_len, max_seg_len
-        self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._segments = None  # (segment metadata, kernel plan), built on first use and shared by all layers
+        self.positions, self.slots, self.num_decode = positions, slots, positions.shape[0]
+        self.decode = (kv_start, kv_end, table.slots, table.positions)
+        self.max_kv_len = max_kv_len
+        self.segments, self.max_seg_len = None, 0
+        self._cos_sin, self._plan = {}, None
+        return self
 
     def attend(
         self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -93,36 +92,22 @@ class PagedContext:
         b = self.num_decode
         decode = segments = None
         if b:
+            kv_start, kv_end, kv_slots, kv_pos = self.decode
             decode = decode_attention(
-                q[:b], k_cache, v_cache, self.kv_indptr[: b + 1], self.kv_slots, self.kv_pos,
-                self.positions[:b], layer.scale, layer.window, layer.sinks, max_kv_len=self.max_kv_len,
+                q[:b], k_cache, v_cache, kv_start, kv_slots, kv_pos, self.positions[:b], layer.scale,
+                layer.window, layer.sinks, max_kv_len=self.max_kv_len + 1, kv_end=kv_end,
             )  # fmt: skip
         if q.shape[0] > b:
-            if self._segments is None:
-                self._segments = self._segment_metadata(q)
-            (q_pos, q_slots, seg_kv_indptr, kv_slots, kv_pos), plan = self._segments
+            seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos = self.segments
+            q_pos, q_slots = self.positions[b:], self.slots[b:]
+            if self._plan is None and use_triton(q):
+                self._plan = plan_segments(
+                    q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos, self.max_seg_len
+                )
             segments = segment_attention(
-                q[b:], k_cache, v_cache, q_pos, q_slots, self.seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos,
-                layer.scale, layer.window, layer.sinks, max_seg_len=self.max_seg_len, plan=plan,
+                q[b:], k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos,
+                layer.scale, layer.window, layer.sinks, max_seg_len=self.max_seg_len, plan=self._plan,
             )  # fmt: skip
         if segments is None:
             return decode
         return segments if decode is None else torch.cat([decode, segments])
-
-    def _segment_metadata(self, q: torch.Tensor):
-        """The segments' tensors (their key lists follow the decode queries' keys) and, for the Triton
-        kernel, its per-forward plan: built once, shared by all layers."""
-        b, n = self.num_decode, self.decode_keys
-        meta = (
-            self.positions[b:],
-            self.slots[b:],
-            self.kv_indptr[b:] - n,
-            self.kv_slots[n:],
-            self.kv_pos[n:],
-        )
-        plan = (
-            plan_segments(*meta[:2], self.seg_q_indptr, *meta[2:], self.max_seg_len)
-            if use_triton(q)
-            else None
-        )
-        return meta, plan

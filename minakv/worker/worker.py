@@ -1,12 +1,11 @@
-"""The worker: owns the model and the KV tensors, and turns one `ForwardBatch` into sampled tokens.
+"""The worker: owns the model, the KV tensors and the key table, and turns one `ForwardBatch` into tokens.
 
-Its interface is deliberately narrow (a batch in, tokens out) so that prefill and decode workers can
-later run in separate processes. It knows nothing of requests beyond the per-request sampler state
-(seeded generators), which must live where sampling happens.
+Its interface is deliberately narrow (a batch in, tokens out) so that prefill and decode workers can later
+run in separate processes. It knows nothing of requests: seeds and output counters come with the batch.
 
-On CUDA, decode-only steps replay CUDA graphs (minakv/worker/graphs.py); the pool has one scratch slot
-past its end for the graphs' padding rows. A step reads results back to the host once: greedy rows are
-answered by one batched argmax (and one batched log-softmax when logprobs are asked for).
+A step: apply the batch's key-table writes and re-rotation copies, run the forward (a CUDA graph replay
+for decode-only steps on CUDA; the pool has one scratch slot past its end for the graphs' padding rows),
+sample every row at once on the device, and read the results back in one transfer.
 """
 
 from __future__ import annotations
@@ -20,10 +19,20 @@ from minakv.model import CausalLM
 from minakv.ops.rerotate import rerotate_copy
 from minakv.outputs import TokenLogprob
 from minakv.params import SamplingParams
-from minakv.worker.batch import ForwardBatch
+from minakv.worker.batch import ForwardBatch, flatten, host_int64
 from minakv.worker.graphs import DecodeGraphs
-from minakv.worker.paged import PagedContext
-from minakv.worker.sampler import sample
+from minakv.worker.paged import KeyTable, PagedContext
+from minakv.worker.sampler import SamplingTensors, sample_packed, unpack
+
+
+@dataclass
+class Launched:
+    """A step on its way: its packed results (on the host once `event` has passed), and how to read them."""
+
+    packed: torch.Tensor | None
+    event: torch.cuda.Event | None
+    params: list[SamplingParams]
+    max_logprobs: int
 
 
 @dataclass
@@ -42,9 +51,12 @@ class Worker:
         self,
         model: CausalLM,
         num_slots: int,
+        max_rows: int,
+        max_keys: int,
         kv_dtype: torch.dtype | None = None,
         cuda_graphs: bool = True,  # CUDA only; MINAKV_CUDA_GRAPHS=0 also turns them off
     ) -> None:
+        """`max_rows`: requests decoding at once; `max_keys`: the most keys one request's token reads."""
         self.model = model
         c = model.config
         device = next(model.parameters()).device
@@ -53,69 +65,84 @@ class Worker:
         shape = (c.num_layers, num_slots + 1, c.num_kv_heads, c.head_dim)  # + the scratch slot
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
-        self.generators: dict[str, torch.Generator] = {}
+        self.table = KeyTable(max_rows, max_keys, device)
+        self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)  # the previous step's samples
         cuda_graphs = cuda_graphs and os.environ.get("MINAKV_CUDA_GRAPHS", "1") != "0"
         self.graphs = (
-            DecodeGraphs(model, self.k_cache, self.v_cache, pad_slot=num_slots)
+            DecodeGraphs(
+                model, self.k_cache, self.v_cache, self.table, pad_slot=num_slots, max_batch=max_rows
+            )
             if cuda_graphs and device.type == "cuda"
             else None
         )
 
-    @torch.inference_mode()
     def step(self, batch: ForwardBatch) -> StepResult:
-        for rid in batch.release_ids:
-            self.generators.pop(rid, None)
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ForwardBatch) -> Launched:
+        """Enqueue the step's device work (forward, sampling, packing the results) and start copying the
+        results to the host; returns at once on CUDA, so the host can prepare the next step meanwhile."""
+        self._write_table(batch)
         src, dst, old, new = batch.rerotate
         if src:
             moves = torch.tensor([src, dst, old, new], dtype=torch.int64).to(self.device)
             rerotate_copy(self.k_cache, self.v_cache, *moves, self.model.rope)
-        if not batch.num_tokens:
+        if not batch.sample_rows:
+            if batch.num_tokens:
+                self._forward(batch)
+            return Launched(None, None, [], 0)
+        logits = self._forward(batch)
+        t = SamplingTensors.build(batch.sample_params, batch.sample_seeds, batch.sample_counters, self.device)
+        tokens, packed = sample_packed(logits, t)
+        self.last_tokens = tokens
+        event = None
+        if self.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            packed = host
+        return Launched(packed, event, batch.sample_params, t.max_logprobs)
+
+    def collect(self, launched: Launched) -> StepResult:
+        """Wait for a launched step's results on the host."""
+        if launched.packed is None:
             return StepResult([], [])
-        logits = None
-        if self.graphs is not None and self.graphs.accepts(batch):
-            logits = self.graphs.run(batch)
-        if logits is None:
-            ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-            hidden = self.model(ids, PagedContext(batch, self.k_cache, self.v_cache))
-            if not batch.sample_rows:
-                return StepResult([], [])
-            rows = torch.tensor(batch.sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows])
-        elif batch.sample_rows != list(range(batch.num_decode)):
-            logits = logits[torch.tensor(batch.sample_rows, dtype=torch.int64).to(self.device)]
-        if all(p.temperature == 0 for p in batch.sample_params):
-            return greedy(logits, batch.sample_params)
-        gens = [self._generator(rid, p.seed) for rid, p in zip(batch.sample_ids, batch.sample_params)]
-        tokens, logprobs = sample(logits, batch.sample_params, gens)
+        if launched.event is not None:
+            launched.event.synchronize()
+        tokens, logprobs = unpack(launched.packed.tolist(), launched.params, launched.max_logprobs)
         return StepResult(tokens, logprobs)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        if request_id not in self.generators:
-            self.generators[request_id] = torch.Generator().manual_seed(seed)
-        return self.generators[request_id]
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [sample rows, V] (hidden states only where nothing is sampled)."""
+        if self.graphs is not None and self.graphs.accepts(batch):
+            logits = self.graphs.run(batch, self._resolve)
+            if logits is not None:
+                if batch.sample_rows != list(range(batch.num_decode)):
+                    logits = logits[torch.tensor(batch.sample_rows, dtype=torch.int64).to(self.device)]
+                return logits
+        ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(self._resolve(ids), PagedContext(batch, self.k_cache, self.v_cache, self.table))
+        if not batch.sample_rows:
+            return hidden
+        rows = torch.tensor(batch.sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[rows])
 
+    def _resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """Replace ids still on the device (-(j + 1): row j of the previous step's samples) by those tokens."""
+        if not self.last_tokens.numel():
+            return ids
+        pending = ids < 0
+        return torch.where(
+            pending, self.last_tokens[(-ids - 1).clamp(min=0, max=self.last_tokens.numel() - 1)], ids
+        )
 
-def greedy(logits: torch.Tensor, params: list[SamplingParams]) -> StepResult:
-    """All rows greedy: the argmax of each row (as `sample` picks it) with one read-back to the host, plus
-    the same logprob records as `sample` when asked for."""
-    tokens_dev = logits.argmax(dim=-1)
-    wanted = [p.logprobs for p in params if p.logprobs is not None]
-    if not wanted:
-        return StepResult(tokens_dev.tolist(), [None] * len(params))
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, tokens_dev[:, None])[:, 0]
-    top_n = max(wanted)
-    top_values, top_ids = (
-        torch.topk(lp, top_n, dim=-1) if top_n > 0 else (lp[:, :0], tokens_dev[:, None][:, :0])
-    )
-    tokens, chosen, top_values, top_ids = (t.tolist() for t in (tokens_dev, chosen, top_values, top_ids))
-    records: list[TokenLogprob | None] = []
-    for row, p in enumerate(params):
-        if p.logprobs is None:
-            records.append(None)
-            continue
-        top = list(zip(top_ids[row][: p.logprobs], top_values[row][: p.logprobs]))
-        records.append(TokenLogprob(tokens[row], chosen[row], top))
-    return StepResult(tokens, records)
+    def _write_table(self, batch: ForwardBatch) -> None:
+        rows, cols, slots, positions = batch.table_writes
+        if not rows:
+            return
+        chunks, sizes = flatten([rows, cols, slots, positions])
+        host = host_int64(chunks, pin=self.device.type == "cuda")
+        r, c, s, p = host.to(self.device, non_blocking=True).split(sizes)
+        self.table.write(r * self.table.width + c, s, p)
