@@ -138,6 +138,16 @@ def assert_matches_oracle(model, segments, cache, out: RequestOutput, tol: float
         )
 
 
+def plan_keys(program: Program, token_ids: list[int], page_size: int) -> tuple[Plan, list[PageKey]]:
+    """A request's plan and its page keys as the scheduler forms them when it publishes its pages: a page
+    is dead (evicted first) when the first generated token reads none of its entries."""
+    plan = plan_request(program, token_ids)
+    live = set(plan.final_keys)
+    full = len(plan.records) // page_size * page_size
+    dead = [not live.intersection(range(p, p + page_size)) for p in range(0, full, page_size)]
+    return plan, page_keys(plan.records, page_size, dead)
+
+
 # Programs that once failed on the GPU in bf16 (routing noise: tests/test_engine_gpu.py); kept as examples.
 HISTORY = [
     (
@@ -150,13 +160,3 @@ HISTORY = [
         {"drop": {"0": [0], "2": [1]}, "reposition": [1, 2]},
     ),
 ]
-
-
-def plan_keys(program: Program, token_ids: list[int], page_size: int) -> tuple[Plan, list[PageKey]]:
-    """A request's plan and its page keys as the scheduler forms them when it publishes its pages: a page
-    is dead (evicted first) when the first generated token reads none of its entries."""
-    plan = plan_request(program, token_ids)
-    live = set(plan.final_keys)
-    full = len(plan.records) // page_size * page_size
-    dead = [not live.intersection(range(p, p + page_size)) for p in range(0, full, page_size)]
-    return plan, page_keys(plan.records, page_size, dead)
