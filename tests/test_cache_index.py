@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from helpers.programs import plan_keys
 from hypothesis import HealthCheck, given, settings
@@ -111,10 +112,15 @@ def test_generated_tokens_extend_the_chain():
     assert len(prompt_only) == 6 and with_output[:6] == prompt_only  # 16 born + 8 copies, then the output
     assert [e.position for e in plan.entries[24:]] == [12, 13, 14, 15]
     # the scheduler's decode entries (records after the final events) make the same key as a re-plan
-    decoded = prompt_plan.records + [
-        record(prompt_plan.final_digest, token, Entry(16 + j, 12 + j))
-        for j, token in enumerate([7, 8, 9, 10])
-    ]
+    decoded = np.concatenate(
+        [
+            prompt_plan.records,
+            [
+                record(prompt_plan.final_digest, token, Entry(16 + j, 12 + j))
+                for j, token in enumerate([7, 8, 9, 10])
+            ],
+        ]
+    )
     assert page_keys(decoded, 4)[6].key == with_output[6].key
     other = plan_keys(compile_program(OWNERS, 4), IDS + [7, 8, 9, 10], 4)[1]
     assert other[4].key != with_output[6].key  # the trailing events are part of its history

@@ -91,8 +91,10 @@ def check_plan(owners, num_messages, drop, reposition, generated, have_bits):
     assert sorted(plan.final_keys) == sorted(at[t, p] for t, p in seen[length].items() if t != length)
     # Restoring: compute exactly the closure of what is missing.
     have = [have_bits[e % len(have_bits)] for e in range(len(plan.entries))]
-    assert entries_to_compute(plan, have) == brute_closure(plan, seen, have)
-    assert entries_to_compute(plan, [False] * len(have)) == brute_closure(plan, seen, [False] * len(have))
+    assert entries_to_compute(plan, have).tolist() == brute_closure(plan, seen, have)
+    assert entries_to_compute(plan, [False] * len(have)).tolist() == brute_closure(
+        plan, seen, [False] * len(have)
+    )
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -115,11 +117,14 @@ def test_dropped_and_unread_is_not_recomputed():
     plan = plan_request(compile_program([0, 0, 1, 1, 2, 2], 3, {1: [0]}), [1, 2, 3, 4, 5, 6])
     assert [e.token_index for e in plan.entries] == [0, 1, 2, 3, 4, 5]
     have = [False, False, True, True, True, False]
-    assert entries_to_compute(plan, have) == [5]
-    assert plan.segment_keys[plan.entries[5].segment] == [2, 3]  # 4 is an earlier member of 5's segment
+    assert entries_to_compute(plan, have).tolist() == [5]
+    assert plan.segment_keys[plan.entries[5].segment].tolist() == [
+        2,
+        3,
+    ]  # 4 is an earlier member of 5's segment
     # if token 3 is missing too, its query reads 0 and 1: they come back
     have[3] = False
-    assert entries_to_compute(plan, have) == [0, 1, 3, 5]
+    assert entries_to_compute(plan, have).tolist() == [0, 1, 3, 5]
 
 
 def test_unread_tokens_get_no_entry():
@@ -205,7 +210,7 @@ def test_restore_pass_reproduces_the_oracle(arch, dtype):
         tokens = ids + run.generated
         plan = plan_request(program, tokens)  # as after a preemption: the output is part of the plan
         have = [rng.random() < 0.5 for _ in plan.entries]
-        todo = entries_to_compute(plan, have)
+        todo = entries_to_compute(plan, have).tolist()
         cached = sorted({plan.entries[e].token_index for e in range(len(have)) if have[e]})
         stored_at = [rng.randrange(200) for _ in cached]  # anywhere: the pass re-rotates them
         ctx, queries = run_pass(model, oracle, plan, todo, cached, stored_at)
@@ -248,7 +253,7 @@ def test_second_round_shares_pages_steps_over_an_evicted_dropped_page_and_copies
         matches[e // page] is not None if e // page < len(matches) else False
         for e in range(len(plan.entries))
     ]
-    todo = entries_to_compute(plan, have)
+    todo = entries_to_compute(plan, have).tolist()
     assert [plan.entries[e].is_copy for e in todo] == [True] * 8 + [False] * 4
     assert [plan.entries[e].token_index for e in todo[8:]] == [16, 17, 18, 19]
 

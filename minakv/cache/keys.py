@@ -5,7 +5,7 @@ its birth position, a COPY entry is a surviving key re-rotated to its rank by a 
 holds depends on the token, on everything before it, on every drop and reposition before it
 (docs/design.md 2.5), and on the position its key is rotated at. Its record names all of that:
 
-    record = events digest | token id | position | kind     (kind: B for born, C<from> for a copy)
+    record = events digest | token id | position | source position   (-1 for born, else a copy's old one)
 
 and a page's key chains its records onto the previous page's key, like vLLM's prefix-cache hash chain:
 
@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:  # plan.py imports this module: the type only, no import cycle at run time
     from minakv.cache.plan import Entry
 
@@ -49,18 +51,28 @@ def hash_parts(*parts: bytes) -> bytes:
     return h.digest()
 
 
-def record(digest: bytes, token: int, entry: Entry, source_position: int | None = None) -> bytes:
-    """What an entry holds: token `token` after the events in `digest`, rotated at `entry.position`
-    (a copy also names the position it was rotated from, which with the digest pins its source)."""
-    kind = b"B" if source_position is None else b"C%d" % source_position
-    return b"%s|%d|%d|%s;" % (digest, token, entry.position, kind)
+def digest_words(digest: bytes) -> np.ndarray:
+    """An events digest (16 bytes, or empty before any event) as two int64 words of a record."""
+    return np.frombuffer(digest.ljust(16, b"\0"), dtype=np.int64)
 
 
-def page_keys(records: Sequence[bytes], page_size: int, dead: Sequence[bool] | None = None) -> list[PageKey]:
-    """Chained keys of the full pages of `records` (`dead[p]`: page p holds only dropped entries)."""
+def record(digest: bytes, token: int, entry: Entry, source_position: int | None = None) -> np.ndarray:
+    """What an entry holds, as one int64 row: the events digest (two words), the token id, the position
+    its key is rotated at, and for a copy the position it was rotated from (-1 for a born entry), which
+    with the digest pins its source."""
+    src = -1 if source_position is None else source_position
+    return np.array([*digest_words(digest), token, entry.position, src], dtype=np.int64)
+
+
+def page_keys(
+    records: np.ndarray | Sequence[np.ndarray], page_size: int, dead: Sequence[bool] | None = None
+) -> list[PageKey]:
+    """Chained keys of the full pages of `records` ([E, 5] rows; `dead[p]`: page p holds only dropped
+    entries)."""
+    rows = np.ascontiguousarray(np.asarray(records, dtype=np.int64).reshape(-1, 5))
     prev = hash_parts(ROOT, b"%d" % page_size)  # the same records in pages of another size are other pages
     keys = []
-    for p in range(len(records) // page_size):
-        prev = hash_parts(prev, *records[p * page_size : (p + 1) * page_size])
-        keys.append(PageKey(prev, bool(dead and dead[p])))
+    for p in range(len(rows) // page_size):
+        prev = hash_parts(prev, rows[p * page_size : (p + 1) * page_size].tobytes())
+        keys.append(PageKey(prev, bool(dead is not None and len(dead) and dead[p])))
     return keys

@@ -26,11 +26,9 @@ class KVCache:
     def num_pages(self) -> int:
         return self.pool.num_pages
 
-    def keys(
-        self, records: list[bytes], positions: list[int], dead: list[bool] | None = None
-    ) -> list[PageKey]:
-        """Chained keys of the full pages of `records` (`dead[p]`: page p holds only dropped entries).
-        `positions` adds nothing to the key (every record names its position already)."""
+    def keys(self, records, dead=None) -> list[PageKey]:
+        """Chained keys of the full pages of `records` ([E, 5] rows; `dead[p]`: page p holds only
+        entries no live key reads)."""
         return page_keys(records, self.page_size, dead)
 
     def match(self, keys: list[PageKey]) -> list[int | None]:

@@ -9,20 +9,27 @@ outside its segment, and the record of every entry for cache keys.
     tokens   a0 a1 b0 b1 | c0 c1        drop {1: [0]}, reposition [1]
     entries  B(a0) B(a1) B(b0) B(b1) C(b0: 2->0) C(b1: 3->1) B(c0) B(c1)
     segments [ seg 0: a0..b1, no outside keys ] [ seg 1: c0..c1, outside keys = the two copies ]
+
+The plan is a set of numpy arrays, one row per entry, built a block at a time (a run of born entries between
+two cut points, or the copies of one reposition), so planning a long agent history costs a few numpy
+passes per drop or reposition point, not Python work per token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
-from minakv.cache.keys import hash_parts, record  # record: the scheduler imports it from here too
+from minakv.cache.keys import digest_words, hash_parts
 from minakv.cache.program import NEVER, Program
 
 
 @dataclass
 class Entry:
+    """One entry, as a readable record (tests and docs; the engine reads the plan's arrays)."""
+
     token_index: int  # index in the request's logical token sequence
     position: int  # position the key is rotated at
     segment: int = -1  # BORN entries: entries of one segment see the same outside keys; -1 for decode
@@ -35,28 +42,43 @@ class Entry:
 
 @dataclass
 class Plan:
-    entries: list[Entry] = field(default_factory=list)
-    records: list[bytes] = field(default_factory=list)  # one per entry, for page keys
-    segment_keys: list[list[int]] = field(default_factory=list)  # per segment: outside entries it reads
+    token: np.ndarray  # int64 [E]: each entry's token index
+    position: np.ndarray  # int64 [E]: the position its key is rotated at
+    segment: np.ndarray  # int64 [E]: born entries' segment, -1 for copies
+    source: np.ndarray  # int64 [E]: copies' source entry, -1 for born entries
+    records: np.ndarray  # int64 [E, 5]: what each entry holds, for page keys (minakv/cache/keys.py)
+    blocks: list[tuple[int, int, int]]  # (first, end, segment or -1 for a copy block), in entry order
+    segment_keys: list[np.ndarray] = field(default_factory=list)  # per segment: outside entries it reads
     segment_start: list[int] = field(default_factory=list)  # per segment: its first entry
     last_entry: int = -1  # the entry of the last token: its logits give the next token
-    final_keys: list[int] = field(default_factory=list)  # entries the first generated token reads
+    final_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the first token's keys
     final_digest: bytes = b""  # events so far, for records of decode entries
     num_skipped: int = 0  # tokens never computed because no query reads them
     num_copies: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.token)
+
+    @cached_property
+    def entries(self) -> list[Entry]:
+        return [
+            Entry(int(t), int(p), int(g), None if s < 0 else int(s))
+            for t, p, g, s in zip(self.token, self.position, self.segment, self.source)
+        ]
 
 
 def needed_tokens(program: Program, num_tokens: int) -> np.ndarray:
     """Boolean mask: must token t be computed? (Backward scan: t is needed if the last token, active at
     the end, or read by a needed query q with t < q < visible_until[t].)"""
-    until = program.drop_points(np.arange(num_tokens))
-    needed = np.zeros(num_tokens, dtype=bool)
+    until = program.drop_points(np.arange(num_tokens)).tolist()
+    needed = [False] * num_tokens
     nearest = NEVER  # smallest needed index seen so far (all are > t)
     for t in range(num_tokens - 1, -1, -1):
         if t == num_tokens - 1 or until[t] == NEVER or nearest < until[t]:
             needed[t] = True
             nearest = t
-    return needed
+    return np.asarray(needed, dtype=bool)
 
 
 def _event_digest(prev: bytes, program: Program, point: int) -> bytes:
@@ -67,80 +89,104 @@ def _event_digest(prev: bytes, program: Program, point: int) -> bytes:
     return hash_parts(prev, text)
 
 
+class _Builder:
+    """Appends blocks of entries; `current[t]` is token t's latest entry (born, or a copy), -1 if none."""
+
+    def __init__(self, n: int, token_ids: np.ndarray) -> None:
+        self.ids = token_ids
+        self.parts: list[tuple[np.ndarray, ...]] = []
+        self.size = 0
+        self.current = np.full(n, -1, dtype=np.int64)
+        self.current_pos = np.zeros(n, dtype=np.int64)
+        self.digest = b""
+
+    def add(self, tokens: np.ndarray, positions: np.ndarray, segment: int, sources: np.ndarray) -> None:
+        k = len(tokens)
+        src_pos = np.where(sources >= 0, self.current_pos[tokens], -1) if segment < 0 else np.full(k, -1)
+        rows = np.empty((k, 5), dtype=np.int64)
+        rows[:, :2] = digest_words(self.digest)
+        rows[:, 2], rows[:, 3], rows[:, 4] = self.ids[tokens], positions, src_pos
+        self.parts.append((tokens, positions, np.full(k, segment, np.int64), sources, rows))
+        self.current[tokens] = np.arange(self.size, self.size + k)
+        self.current_pos[tokens] = positions
+        self.size += k
+
+
 def plan_request(program: Program, token_ids: list[int]) -> Plan:
     """Plan the entries for tokens [0, T) plus the events right before token T (the first to generate)."""
     n = len(token_ids)
     needed = needed_tokens(program, n)
     births = program.birth_positions(np.arange(n))
-    cuts = set(program.drop_ranges) | {int(s) for s in program.stage_starts[1:]}
-    plan = Plan(num_skipped=int((~needed).sum()))
-    current: dict[int, int] = {}  # token -> its current entry (born, or latest copy)
-    digest, segment, new_segment = b"", -1, True
-
-    def add(entry: Entry, token: int) -> int:
-        source_pos = plan.entries[entry.source].position if entry.source is not None else None
-        plan.entries.append(entry)
-        plan.records.append(record(digest, token_ids[token], entry, source_pos))
-        current[token] = len(plan.entries) - 1
-        return current[token]
+    stage_starts = set(program.stage_starts[1:].tolist())
+    cuts = sorted(set(program.drop_ranges) | stage_starts | {0})
+    b = _Builder(n, np.asarray(token_ids, dtype=np.int64))
+    blocks, segment_keys, segment_start, copies = [], [], [], 0
 
     def enter(point: int) -> None:
         """Apply the events right before token `point`: drops change nothing physical; a reposition
         copies each computed survivor whose position changes into a fresh entry."""
-        nonlocal digest, new_segment
-        new_segment = True
-        digest = _event_digest(digest, program, point)
-        if point in program.stage_starts[1:]:
+        nonlocal copies
+        b.digest = _event_digest(b.digest, program, point)
+        if point in stage_starts:
             stage = int(np.searchsorted(program.stage_starts, point))
-            for rank, t in enumerate(program.survivors[stage].tolist()):
-                old = plan.entries[current[t]] if t in current else None
-                if old is not None and old.position != rank:
-                    add(Entry(t, rank, source=current[t]), t)
-                    plan.num_copies += 1
+            survivors = program.survivors[stage]
+            ranks = np.arange(len(survivors), dtype=np.int64)
+            moved = (b.current[survivors] >= 0) & (b.current_pos[survivors] != ranks)
+            if moved.any():
+                first = b.size
+                b.add(survivors[moved], ranks[moved], -1, b.current[survivors[moved]])
+                blocks.append((first, b.size, -1))
+                copies += int(moved.sum())
 
-    for t in range(n):
-        if t in cuts or t == 0:
-            enter(t)
-        if not needed[t]:
+    for point, end in zip(cuts, [*cuts[1:], n]):
+        if point >= n:
+            break
+        enter(point)
+        born = np.nonzero(needed[point:end])[0] + point
+        if not len(born):
             continue
-        if new_segment:  # the first computed token after a cut opens a segment
-            new_segment = False
-            segment = len(plan.segment_keys)
-            keys, _ = program.active_before(t)
-            plan.segment_keys.append([current[int(k)] for k in keys if int(k) in current])
-            plan.segment_start.append(len(plan.entries))
-        add(Entry(t, int(births[t]), segment=segment), t)
-    plan.last_entry = current[n - 1]  # its born entry (a reposition right after may copy it)
-    if n in cuts:
+        keys, _ = program.active_before(int(born[0]))  # the segment's outside keys, at its first query
+        entries = b.current[keys]
+        segment_keys.append(entries[entries >= 0])
+        segment_start.append(b.size)
+        first = b.size
+        b.add(born, births[born], len(segment_keys) - 1, np.full(len(born), -1, np.int64))
+        blocks.append((first, b.size, len(segment_keys) - 1))
+    last_entry = int(b.current[n - 1])  # its born entry (a reposition right after may copy it)
+    if n in program.drop_ranges or n in stage_starts:
         enter(n)
-    final = program.final_active.tolist() + list(range(program.num_tokens, n))
-    plan.final_keys = [current[t] for t in final if t in current]
-    plan.final_digest = digest
-    return plan
+    final = np.concatenate([program.final_active, np.arange(program.num_tokens, n, dtype=np.int64)])
+    final_entries = b.current[final]
+    columns = [np.concatenate(c) for c in zip(*b.parts)] if b.parts else [np.zeros(0, np.int64)] * 5
+    token, position, segment, source, records = columns
+    return Plan(
+        token, position, segment, source, records.reshape(-1, 5), blocks, segment_keys, segment_start,
+        last_entry, final_entries[final_entries >= 0], b.digest, int((~needed).sum()), copies,
+    )  # fmt: skip
 
 
-def entries_to_compute(plan: Plan, have: list[bool]) -> list[int]:
-    """Which entries to compute when the `have` ones are cached (docs/design.md 3.3): the last token's entry and
-    those the first generated token reads, plus, transitively, everything a computed entry reads (its
+def entries_to_compute(plan: Plan, have: np.ndarray) -> np.ndarray:
+    """Which entries to compute when the `have` ones are cached (docs/design.md 3.3): the last token's entry
+    and those the first generated token reads, plus, transitively, everything a computed entry reads (its
     segment's outside keys and earlier members; a copy's source). Reads only go backwards, so one reverse
-    pass settles it. An evicted entry nobody reads (typically a dropped one) is not recomputed."""
-    needed = [False] * len(plan.entries)
+    pass over the blocks settles it. An evicted entry nobody reads (typically a dropped one) is not
+    recomputed."""
+    have = np.asarray(have, dtype=bool)
+    needed = np.zeros(plan.size, dtype=bool)
     needed[plan.last_entry] = True
-    for e in plan.final_keys:
-        needed[e] = True
-    reading: set[int] = set()  # segments with a computed member: their earlier members are read
+    needed[plan.final_keys] = True
     todo = []
-    for e in range(len(plan.entries) - 1, -1, -1):
-        entry = plan.entries[e]
-        if entry.segment in reading and not entry.is_copy:
-            needed[e] = True
-        if not needed[e] or have[e]:
+    for first, end, segment in reversed(plan.blocks):
+        missing = needed[first:end] & ~have[first:end]
+        if not missing.any():
             continue
-        todo.append(e)
-        if entry.is_copy:
-            needed[entry.source] = True
-        elif entry.segment not in reading:
-            reading.add(entry.segment)
-            for k in plan.segment_keys[entry.segment]:
-                needed[k] = True
-    return todo[::-1]
+        if segment < 0:  # copies read their sources
+            chosen = np.nonzero(missing)[0] + first
+            needed[plan.source[chosen]] = True
+        else:  # a computed member reads the segment's outside keys and every earlier member
+            last = first + int(np.nonzero(missing)[0][-1])
+            chosen = np.nonzero(~have[first : last + 1])[0] + first
+            needed[first : last + 1] = True
+            needed[plan.segment_keys[segment]] = True
+        todo.append(chosen)
+    return np.concatenate(todo[::-1]) if todo else np.zeros(0, np.int64)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from minakv.cache.plan import Entry, Plan
+from minakv.cache.keys import PageKey
+from minakv.cache.plan import Plan
 from minakv.cache.program import Program
 from minakv.outputs import RequestOutput, TokenLogprob, Usage
 from minakv.params import SamplingParams
@@ -49,12 +50,12 @@ class Request:
     seed: int = field(default_factory=lambda: secrets.randbits(63))
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # planning and progress (set when the request is admitted; reset when it is preempted)
-    plan: Plan | None = None
-    entries: list[Entry] = field(default_factory=list)  # planned entries, then one per decode step
-    records: list[bytes] = field(default_factory=list)  # one per entry, for page keys
-    page_keys: list[bytes] = field(default_factory=list)  # key of each full page of planned entries
-    pages: list[int] = field(default_factory=list)  # physical pages holding the entries, in order
-    todo: list[int] = field(default_factory=list)  # entries to compute (not cached), in order
+    plan: Plan | None = None  # the planned entries (arrays); decode entries follow them
+    decode_tokens: list[int] = field(default_factory=list)  # per decode entry: its token index
+    decode_positions: list[int] = field(default_factory=list)  # per decode entry: its position
+    page_keys: list[PageKey] = field(default_factory=list)  # key of each full page of planned entries
+    pages: list[int] = field(default_factory=list)  # physical pages holding the entries, in order (-1: none)
+    todo: Any = None  # numpy int64: planned entries to compute (not cached), in order
     cursor: int = 0  # todo[:cursor] are computed
     incomplete: set[int] = field(default_factory=set)  # pages with entries nobody reads, left uncomputed
     missing: list[int] = field(default_factory=list)  # indices of r.pages still to allocate (-1 there)
@@ -64,8 +65,6 @@ class Request:
     next_pos: int = 0  # position of the next generated token
     pending: int = 0  # sampled tokens still on the device (steps launched but not yet applied)
     sample_row: int = -1  # the sample row of r's latest pending token in its batch
-    entry_pos: Any = None  # numpy int64: position of each planned entry
-    segment_arrays: dict[int, Any] = field(default_factory=dict)  # numpy outside keys per segment
     error: str | None = None
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
@@ -86,6 +85,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_entries(self) -> int:
+        return self.plan.size + len(self.decode_tokens)
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)

@@ -20,8 +20,9 @@ from collections import deque
 import numpy as np
 
 from minakv.cache.kvcache import KVCache
-from minakv.cache.plan import Entry, entries_to_compute, plan_request, record
+from minakv.cache.plan import plan_request
 from minakv.config import EngineConfig
+from minakv.scheduler.admission import admission, publishable
 from minakv.scheduler.request import Request, Status
 from minakv.scheduler.stops import apply_token
 from minakv.worker.batch import ForwardBatch
@@ -83,7 +84,7 @@ class Scheduler:
         decoding = [r for r in self.running if r.cursor == len(r.todo) and not self._done_by_length(r)]
         for r in decoding:  # reserve decode pages first: this may preempt the youngest requests
             if r.status is Status.RUNNING:
-                self._ensure_pages(r, len(r.entries) + 1)
+                self._ensure_pages(r, r.num_entries + 1)
         batch = ForwardBatch()
         for r in decoding:
             if r.status is Status.RUNNING:
@@ -125,29 +126,26 @@ class Scheduler:
     def _schedule_decode(self, r: Request, batch: ForwardBatch) -> None:
         """Feed the last sampled token: one new entry at the next position, reading all active keys."""
         t = r.num_tokens + r.pending - 1
-        entry = Entry(t, r.next_pos)
-        r.entries.append(entry)
-        e = len(r.entries) - 1
+        e = r.num_entries
+        r.decode_tokens.append(t)
+        r.decode_positions.append(r.next_pos)
         slot = self._slot(r, e)
         if r.row < 0:  # first decode step since (re)admission: the row gets all keys at once
             r.row = self.rows.pop()
-            keys = np.asarray(r.decode_keys, dtype=np.int64)
-            pages = np.asarray(r.pages, dtype=np.int64)
-            slots = pages[keys // self.page_size] * self.page_size + keys % self.page_size
-            positions = np.fromiter((r.entries[k].position for k in r.decode_keys), np.int64, len(keys))
-            batch.write_row(r.row, 0, slots, positions)
+            keys = np.asarray(r.decode_keys, dtype=np.int64)  # planned entries only, right after planning
+            batch.write_row(r.row, 0, self._slots(r, keys), r.plan.position[keys])
             r.row_len = len(keys)
         r.decode_keys.append(e)
-        batch.write_row(r.row, r.row_len, [slot], [entry.position])
+        batch.write_row(r.row, r.row_len, [slot], [r.next_pos])
         r.row_len += 1
-        r.next_pos += 1
         # the input: a known token, or the one the previous step samples for r (still on the device)
         batch.input_ids.append(r.token_at(t) if r.pending == 0 else -(r.sample_row + 1))
-        batch.positions.append(entry.position)
+        batch.positions.append(r.next_pos)
         batch.slots.append(slot)
         batch.decode_rows.append(r.row)
         batch.decode_lens.append(r.row_len)
         batch.num_decode += 1
+        r.next_pos += 1
         self._sample_last(batch, r)
         self.counters["decode_tokens"] += 1
         self.counters["decode_kv_entries"] += r.row_len
@@ -157,35 +155,37 @@ class Scheduler:
         tokens up to the budget, stopping before the next copy (its source may be computed in this very
         batch). A piece of queries is a run of consecutive entries of one segment; cached entries between
         them (a restore around holes) split pieces. Returns (new cursor, tokens computed)."""
-        todo, entries, i = r.todo, r.entries, r.cursor
-        while i < len(todo) and entries[todo[i]].is_copy:
-            e = todo[i]
-            src = entries[entries[e].source]
-            values = (self._slot(r, entries[e].source), self._slot(r, e), src.position, entries[e].position)
+        plan, todo, i = r.plan, r.todo, r.cursor
+        is_copy = plan.source[todo[i:]] >= 0
+        copies = todo[i : i + (int(np.argmin(is_copy)) if not is_copy.all() else len(is_copy))]
+        if len(copies):
+            sources = plan.source[copies]
+            values = (
+                self._slots(r, sources),
+                self._slots(r, copies),
+                plan.position[sources],
+                plan.position[copies],
+            )
             for column, value in zip(batch.rerotate, values):
-                column.append(value)
-            r.usage.repos_tokens += 1
-            i += 1
-        start = i
-        pages = np.asarray(r.pages, dtype=np.int64)
-        while i < len(todo) and not entries[todo[i]].is_copy and i - start < budget:
-            first = e = todo[i]
-            seg = entries[e].segment
-            while i < len(todo) and todo[i] == e and entries[e].segment == seg and i - start < budget:
-                batch.input_ids.append(r.token_at(entries[e].token_index))
-                batch.positions.append(entries[e].position)
-                batch.slots.append(self._slot(r, e))
-                i, e = i + 1, e + 1
+                column += value.tolist()
+            r.usage.repos_tokens += len(copies)
+            i += len(copies)
+        run = todo[i : i + budget]
+        copy_at = np.nonzero(plan.source[run] >= 0)[0]
+        run = run[: copy_at[0]] if len(copy_at) else run
+        breaks = np.nonzero((np.diff(run) != 1) | (np.diff(plan.segment[run]) != 0))[0] + 1
+        for piece in np.split(run, breaks) if len(run) else []:
+            first, seg = int(piece[0]), int(plan.segment[piece[0]])
+            batch.input_ids += plan.records[piece, 2].tolist()
+            batch.positions += plan.position[piece].tolist()
+            batch.slots += self._slots(r, piece).tolist()
             # the segment's outside keys, plus its members before this piece (cached or computed earlier)
-            if seg not in r.segment_arrays:
-                r.segment_arrays[seg] = np.asarray(r.plan.segment_keys[seg], dtype=np.int64)
-            outside = np.concatenate([r.segment_arrays[seg], np.arange(r.plan.segment_start[seg], first)])
-            slots = pages[outside // self.page_size] * self.page_size + outside % self.page_size
-            batch.add_segment_keys(slots, r.entry_pos[outside])
+            outside = np.concatenate([plan.segment_keys[seg], np.arange(plan.segment_start[seg], first)])
+            batch.add_segment_keys(self._slots(r, outside), plan.position[outside])
             batch.seg_q_indptr.append(batch.num_tokens - batch.num_decode)
-            if e - 1 == r.plan.last_entry:
+            if piece[-1] == plan.last_entry:
                 self._sample_last(batch, r)
-        return i, i - start
+        return i + len(run), len(run)
 
     def _sample_last(self, batch: ForwardBatch, r: Request) -> None:
         r.sample_row = len(batch.sample_rows)
@@ -198,6 +198,10 @@ class Scheduler:
 
     def _slot(self, r: Request, entry: int) -> int:
         return r.pages[entry // self.page_size] * self.page_size + entry % self.page_size
+
+    def _slots(self, r: Request, entries: np.ndarray) -> np.ndarray:
+        pages = np.asarray(r.pages, dtype=np.int64)
+        return pages[entries // self.page_size] * self.page_size + entries % self.page_size
 
     # ----- memory -----
     def _ensure_pages(self, r: Request, num_entries: int) -> None:
@@ -219,12 +223,9 @@ class Scheduler:
             r = self.waiting[0]
             if r.plan is None:
                 self._plan(r)
-            ps = self.page_size
-            matches = self.kv.match(r.page_keys[: r.plan.last_entry // ps])  # a page or None, per page
-            num_pages = -(-len(r.entries) // ps)
-            matched = [p for p in matches if p is not None]
-            need = num_pages - len(matched) + 1  # +1: room to decode
-            if need > self.kv.available(matched):
+            a = admission(r, self.kv)
+            need = len(a.missing) + 1  # +1: room to decode
+            if need > self.kv.available(a.matched):
                 if self.running:
                     break
                 if need > self.kv.num_pages:  # can never fit: fail it rather than wait forever
@@ -234,36 +235,23 @@ class Scheduler:
                     failed.append(self._finish(r, "error"))
                     continue
             self.waiting.popleft()
-            self.kv.acquire(matched)  # hold them before anything is evicted to make room
-            have = [p < len(matches) and matches[p] is not None for p in range(num_pages)]
-            r.pages = [matches[p] if have[p] else -1 for p in range(num_pages)]
-            r.missing = [p for p in range(num_pages) if not have[p]]
-            have_entry = [have[e // ps] for e in range(len(r.entries))]
-            r.todo, r.cursor = entries_to_compute(r.plan, have_entry), 0
-            resolved = set(r.todo)
-            r.incomplete = {e // ps for e in range(len(r.entries)) if not have_entry[e] and e not in resolved}
-            hits = sum(
-                1
-                for e, ok in zip(r.entries, have_entry)
-                if ok and not e.is_copy and e.token_index < r.num_prompt
-            )
-            r.usage.cached_tokens = max(r.usage.cached_tokens, hits)
-            self.counters["cache_hit_tokens"] += hits
+            self.kv.acquire(a.matched)  # hold them before anything is evicted to make room
+            r.pages, r.missing, r.incomplete = a.pages, a.missing, a.incomplete
+            r.todo, r.cursor = a.todo, 0
+            r.usage.cached_tokens = max(r.usage.cached_tokens, a.hits)
+            self.counters["cache_hit_tokens"] += a.hits
             r.status = Status.RUNNING
             self.running.append(r)
-            self._ensure_pages(r, len(r.entries))
+            self._ensure_pages(r, r.num_entries)
         return failed
 
     def _plan(self, r: Request) -> None:
         """Plan the entries of r's tokens so far (the prompt, plus any output before a preemption)."""
         tokens = r.all_ids
-        plan = plan_request(r.program, tokens)
-        r.plan = plan
-        r.entries, r.records = list(plan.entries), list(plan.records)
-        r.page_keys = self.kv.keys(r.records, [e.position for e in r.entries])
-        r.entry_pos = np.fromiter((e.position for e in plan.entries), np.int64, len(plan.entries))
-        r.segment_arrays = {}
-        r.decode_keys = list(plan.final_keys)
+        r.plan = plan = plan_request(r.program, tokens)
+        r.decode_tokens, r.decode_positions = [], []
+        r.page_keys = self.kv.keys(plan.records)
+        r.decode_keys = plan.final_keys.tolist()
         r.next_pos = int(r.program.birth_positions([len(tokens)])[0])
         r.usage.drop_skipped_tokens = plan.num_skipped
 
@@ -275,17 +263,7 @@ class Scheduler:
             self.waiting.remove(r)
         pages = [p for p in r.pages if p >= 0]
         if pages:
-            ps = self.page_size
-            resolved = r.todo[r.cursor] if r.cursor < len(r.todo) else len(r.entries)
-            for e in r.entries[len(r.records) : resolved]:  # decode entries: their tokens are known now
-                if e.token_index >= r.num_tokens:
-                    break
-                r.records.append(record(r.plan.final_digest, r.token_at(e.token_index), e))
-            done = min(min(resolved, len(r.records)) // ps, len(r.pages)) * ps
-            live = set(r.decode_keys)
-            dead = [not live.intersection(range(p, p + ps)) for p in range(0, done, ps)]
-            keys = self.kv.keys(r.records[:done], [e.position for e in r.entries[:done]], dead)
-            publish = [None if p in r.incomplete or r.pages[p] < 0 else key for p, key in enumerate(keys)]
+            publish = publishable(r, self.page_size)
             self.kv.release(pages, dict(zip((r.pages[p] for p in range(len(publish))), publish)))
         r.pages, r.missing = [], []
         if r.row >= 0:
