@@ -12,9 +12,11 @@ import math
 
 import pytest
 import torch
+from helpers.triton import interpreted
 
+from minakv.ops import triton_util
 from minakv.params import SamplingParams
-from minakv.worker.sampler import SamplingTensors, sample, sample_to_host
+from minakv.worker.sampler import SamplingTensors, sample, sample_to_host, thresholds
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.3, 0.0, -0.4, -1.0, -1.6, -2.5, float("-inf")])
 
@@ -181,9 +183,38 @@ def test_degenerate_parameters_give_valid_tokens():
     assert 0 <= int(sample(torch.full((1, 64), float("-inf")), t)) < 64
 
 
-def test_old_call_still_works():  # the worker's current call, kept until it builds SamplingTensors itself
-    logits = torch.randn(3, 50)
-    ps = [params(1.0, logprobs=2), params(0.5), params(1.0)]
-    gens = [torch.Generator().manual_seed(5), None, torch.Generator().manual_seed(5)]
-    tokens, records = sample(logits, ps, gens)
-    assert len(tokens) == 3 and records[0].token_id == tokens[0] and records[1] is None
+@interpreted
+@pytest.mark.parametrize("seed", range(3))
+def test_kernels_match_the_torch_path(seed, monkeypatch):
+    """The Triton top-p threshold (bisection) equals the sorted reference, in the CPU interpreter (the fused
+    Gumbel kernel uses libdevice's log1p, which the interpreter lacks: test_kernels_on_the_gpu covers it)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 6, 300
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[0, :10] = float("-inf")
+    logits[1, 5:8] = logits[1, 4]  # ties at the boundary region
+    ps = [
+        params(1.0, top_p=p, top_k=k)
+        for p, k in [(0.9, -1), (0.5, 20), (1.0, 7), (1e-9, -1), (0.99, -1), (0.3, 3)]
+    ]
+    t = SamplingTensors.build(ps, list(range(rows)), [seed] * rows, "cpu")
+    reference = thresholds(logits, t)
+    monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
+    assert torch.equal(thresholds(logits, t), reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernels_on_the_gpu():
+    """At a real vocabulary: the kernels' thresholds and tokens equal the torch path's on the same rows."""
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 64, 201088
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).cuda()
+    ps = [params(1.0, top_p=[0.9, 0.5, 1.0, 0.99][i % 4], top_k=[-1, 50][i % 2]) for i in range(rows)]
+    t = SamplingTensors.build(ps, list(range(rows)), [3] * rows, "cuda")
+    z = logits - logits.amax(dim=-1, keepdim=True)
+    cpu_t = SamplingTensors.build(ps, list(range(rows)), [3] * rows, "cpu")
+    same = thresholds(z, t).cpu() == thresholds(z.cpu(), cpu_t)
+    assert same.float().mean() >= 0.95  # sums in another order may move a rare boundary by one token
+    cpu = sample(logits.cpu(), cpu_t)
+    assert (sample(logits, t).cpu() == cpu).float().mean() >= 0.98  # float rounding may flip a rare tie

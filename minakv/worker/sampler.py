@@ -23,14 +23,12 @@ The host reads everything back in one transfer at the end of the step (`sample_t
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
 
+from minakv.ops.sampling import gumbel_argmax_triton, top_p_threshold_triton
+from minakv.ops.triton_util import use_triton
 from minakv.outputs import TokenLogprob
 from minakv.params import SamplingParams
 
@@ -139,37 +137,46 @@ def neg_log_exponential(key: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def thresholds(z: torch.Tensor, t: SamplingTensors) -> torch.Tensor | None:
     """[R, 1] float32: the smallest z a row keeps under its top-k, top-p and min-p, or None (keep all)."""
+    if not (t.any_top_k or t.any_top_p or t.any_min_p):
+        return None
     rows = z.shape[0]
     thr = torch.full((rows, 1), float("-inf"), device=z.device)
-    if t.any_top_k or t.any_top_p:
-        # top-p needs the whole sorted row; top-k alone only the largest max_top_k (a partial selection)
-        width = z.shape[-1] if t.any_top_p else min(t.max_top_k, z.shape[-1])
-        sorted_z = (
-            torch.sort(z, dim=-1, descending=True).values if t.any_top_p else torch.topk(z, width).values
-        )
-        has_k = (t.top_k > 0)[:, None]
-        k = torch.where(has_k, t.top_k.clamp(min=1, max=width)[:, None], width)
-        thr = torch.where(has_k, sorted_z.gather(1, k - 1), thr)
-        if t.any_top_p:
-            # unnormalised probabilities of the sorted row, zero past each row's k; keep a token while the
-            # mass strictly before it is < top_p of the kept total (so the first token always stays)
-            col = torch.arange(width, device=z.device)[None, :]
-            e = (sorted_z - sorted_z[:, :1].nan_to_num(neginf=0.0)).exp_().masked_fill_(col >= k, 0.0)
-            cum = e.cumsum(dim=-1)
-            total = cum[:, -1:]
-            count = (cum.sub_(e) < t.top_p[:, None] * total).sum(dim=-1, keepdim=True).clamp_(min=1)
-            thr_p = sorted_z.gather(1, torch.minimum(count, k) - 1)
-            thr = torch.where(t.top_p[:, None] < 1.0, torch.maximum(thr, thr_p), thr)
+    if t.any_top_k and (use_triton(z) or not t.any_top_p):  # a partial selection, no sort
+        width = min(t.max_top_k, z.shape[-1])
+        top = torch.topk(z, width).values
+        k = t.top_k.clamp(min=1, max=width)[:, None]
+        thr = torch.where((t.top_k > 0)[:, None], top.gather(1, k - 1), thr)
+    if t.any_top_p:
+        if use_triton(z):  # bisection for the threshold (docs in minakv/ops/sampling.py): no sort
+            thr = torch.maximum(thr, top_p_threshold_triton(z, thr, t.top_p))
+        else:
+            thr = torch.maximum(thr, top_p_threshold_sorted(z, t))
     if t.any_min_p:
         log_min_p = torch.where(t.min_p > 0, t.min_p.log(), float("-inf"))[:, None]
         thr = torch.maximum(thr, z.amax(dim=-1, keepdim=True) + log_min_p)
-    return thr if (t.any_top_k or t.any_top_p or t.any_min_p) else None
+    return thr
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors | list[SamplingParams], generators=None):
+def top_p_threshold_sorted(z: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """[R, 1]: the top-k and top-p threshold from the sorted row (the reference the kernel is tested
+    against): keep a token while the mass strictly before it is < top_p of the top-k total (so the first
+    token always stays); rows without top-p get their top-k threshold."""
+    width = z.shape[-1]
+    sorted_z = torch.sort(z, dim=-1, descending=True).values
+    has_k = (t.top_k > 0)[:, None]
+    k = torch.where(has_k, t.top_k.clamp(min=1, max=width)[:, None], width)
+    thr = torch.where(has_k, sorted_z.gather(1, k - 1), float("-inf"))
+    col = torch.arange(width, device=z.device)[None, :]
+    e = (sorted_z - sorted_z[:, :1].nan_to_num(neginf=0.0)).exp_().masked_fill_(col >= k, 0.0)
+    cum = e.cumsum(dim=-1)
+    total = cum[:, -1:]
+    count = (cum.sub_(e) < t.top_p[:, None] * total).sum(dim=-1, keepdim=True).clamp_(min=1)
+    thr_p = sorted_z.gather(1, torch.minimum(count, k) - 1)
+    return torch.where(t.top_p[:, None] < 1.0, torch.maximum(thr, thr_p), thr)
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits [R, V] -> [R] int64 token ids on the device, with no host sync."""
-    if not isinstance(t, SamplingTensors):  # temporary: the old per-request-generator call, until rewired
-        return _sample_legacy(logits, t, generators)
     logits = logits.float()
     greedy_tokens = logits.argmax(dim=-1)
     if t.all_greedy:
@@ -179,60 +186,13 @@ def sample(logits: torch.Tensor, t: SamplingTensors | list[SamplingParams], gene
     top = torch.where(torch.isfinite(top), top, 0.0)
     z = (logits - top).div_(t.temperature[:, None])
     thr = thresholds(z, t)
-    if z.is_cuda:
-        return torch.where(t.greedy, greedy_tokens, gumbel_argmax_cuda(z, t.key, thr))
+    if use_triton(z):
+        return torch.where(t.greedy, greedy_tokens, gumbel_argmax_triton(z, t.key, thr))
     score = neg_log_exponential(t.key, z.shape[-1])
     if thr is not None:
         score.masked_fill_(z < thr, float("-inf"))
     score.add_(z)  # log p + Gumbel noise, up to a per-row constant that does not move the argmax
     return torch.where(t.greedy, greedy_tokens, score.argmax(dim=-1))
-
-
-@triton.jit
-def _mix32(x):
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D  # uint32 products wrap mod 2**32, as the masked int64 ones do
-    x = x ^ (x >> 15)
-    x = x * 0x5BD1E995
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _gumbel_argmax_kernel(z_ptr, key_ptr, thr_ptr, best_ptr, idx_ptr, V, splits, CHUNK: tl.constexpr,
-                          BLOCK: tl.constexpr):  # fmt: skip
-    """One (row, vocabulary chunk): the noise of `neg_log_exponential`, the threshold, the chunk's argmax."""
-    row, split = tl.program_id(0), tl.program_id(1)
-    key = tl.load(key_ptr + row).to(tl.uint32)
-    thr = tl.load(thr_ptr + row)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK], 2**31 - 1, tl.int32)
-    for start in range(split * CHUNK, tl.minimum(split * CHUNK + CHUNK, V), BLOCK):
-        ids = start + tl.arange(0, BLOCK)
-        z = tl.load(z_ptr + row.to(tl.int64) * V + ids, mask=ids < V, other=float("-inf"))
-        x = _mix32(_mix32(ids.to(tl.uint32) * 0x3C6EF372) ^ key)
-        u = tl.minimum((x.to(tl.float32) + 0.5) * 2.0**-32, 1.0 - 2.0**-24)
-        score = tl.where(z >= thr, z - libdevice.log(-libdevice.log1p(-u)), float("-inf"))
-        better = score > best  # strictly: an earlier id keeps a tie, as torch.argmax does
-        best = tl.where(better, score, best)
-        best_idx = tl.where(better, ids, best_idx)
-    top = tl.max(best, axis=0)
-    idx = tl.min(tl.where(best == top, best_idx, 2**31 - 1), axis=0)
-    tl.store(best_ptr + row * splits + split, top)
-    tl.store(idx_ptr + row * splits + split, tl.minimum(idx, V - 1))
-
-
-def gumbel_argmax_cuda(z: torch.Tensor, key: torch.Tensor, thr: torch.Tensor | None) -> torch.Tensor:
-    """The fused form of `neg_log_exponential` + mask + argmax: one read of z, no [R, V] temporaries."""
-    rows, vocab = z.shape
-    chunk = 8192
-    splits = triton.cdiv(vocab, chunk)
-    if thr is None:
-        thr = torch.full((rows, 1), float("-inf"), device=z.device)
-    best = torch.empty(rows, splits, device=z.device)
-    idx = torch.empty(rows, splits, device=z.device, dtype=torch.int32)
-    _gumbel_argmax_kernel[(rows, splits)](z.contiguous(), key, thr.contiguous(), best, idx, vocab, splits,
-                                          CHUNK=chunk, BLOCK=1024, num_warps=4)  # fmt: skip
-    return idx.gather(1, best.argmax(dim=1, keepdim=True))[:, 0].long()
 
 
 def sample_to_host(
@@ -272,16 +232,3 @@ def unpack(
         top = [(int(i), v) for i, v in zip(row[2 : 2 + p.logprobs], row[2 + n : 2 + n + p.logprobs])]
         records.append(TokenLogprob(int(row[0]), row[1], top))
     return tokens, records
-
-
-def _sample_legacy(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> tuple[list[int], list[TokenLogprob | None]]:
-    """The old `sample(logits, params, generators)`: each step's seed is drawn from the request's generator
-    (so a seeded request still reproduces), or fresh from `secrets` for an unseeded one."""
-    seeds = [
-        int(torch.randint(0, 2**62, (1,), generator=g)) if g is not None else secrets.randbits(63)
-        for g in generators
-    ]
-    t = SamplingTensors.build(params, seeds, [0] * len(params), logits.device)
-    return sample_to_host(logits, t, params)

@@ -1,0 +1,120 @@
+"""Sampling kernels: the Gumbel-max draw over a whole row, and the exact top-p threshold without a sort.
+
+`gumbel_argmax_triton`: per (row, vocabulary chunk), the counter-based noise of minakv/worker/sampler.py
+(`neg_log_exponential`), the row's threshold and the chunk's argmax in one read of z; the chunks' winners
+are then compared. No [R, V] temporaries.
+
+`top_p_threshold_triton`: top-p keeps the smallest set of the highest-probability tokens whose mass reaches
+top_p. With F(v) the mass of the tokens with z > v, the kept set is {z >= v*} where v* is the smallest
+value with F(v*) < top_p * total: F is a step function that only changes at the row's own values, so that
+boundary is itself one of them. Floats map to integers in the same order (flip the bits of negative
+floats), so 32 halvings of the integer range find v* exactly, each a pass over the row summing exp(z) above
+the midpoint: about 32 reads of the row instead of a sort of it. Tokens outside the row's top-k (below
+`thr`) count neither in F nor in the total.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D  # uint32 products wrap mod 2**32, as the masked int64 ones do
+    x = x ^ (x >> 15)
+    x = x * 0x5BD1E995
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(z_ptr, key_ptr, thr_ptr, best_ptr, idx_ptr, V, splits, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr):  # fmt: skip
+    """One (row, vocabulary chunk): the noise of `neg_log_exponential`, the threshold, the chunk's argmax."""
+    row, split = tl.program_id(0), tl.program_id(1)
+    key = tl.load(key_ptr + row).to(tl.uint32)
+    thr = tl.load(thr_ptr + row)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], 2**31 - 1, tl.int32)
+    for start in range(split * CHUNK, tl.minimum(split * CHUNK + CHUNK, V), BLOCK):
+        ids = start + tl.arange(0, BLOCK)
+        z = tl.load(z_ptr + row.to(tl.int64) * V + ids, mask=ids < V, other=float("-inf"))
+        x = _mix32(_mix32(ids.to(tl.uint32) * 0x3C6EF372) ^ key)
+        u = tl.minimum((x.to(tl.float32) + 0.5) * 2.0**-32, 1.0 - 2.0**-24)
+        score = tl.where(z >= thr, z - libdevice.log(-libdevice.log1p(-u)), float("-inf"))
+        better = score > best  # strictly: an earlier id keeps a tie, as torch.argmax does
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, ids, best_idx)
+    top = tl.max(best, axis=0)
+    idx = tl.min(tl.where(best == top, best_idx, 2**31 - 1), axis=0)
+    tl.store(best_ptr + row * splits + split, top)
+    tl.store(idx_ptr + row * splits + split, tl.minimum(idx, V - 1))
+
+
+def gumbel_argmax_triton(z: torch.Tensor, key: torch.Tensor, thr: torch.Tensor | None) -> torch.Tensor:
+    """The fused form of `neg_log_exponential` + mask + argmax: one read of z, no [R, V] temporaries."""
+    rows, vocab = z.shape
+    chunk = 8192
+    splits = triton.cdiv(vocab, chunk)
+    if thr is None:
+        thr = torch.full((rows, 1), float("-inf"), device=z.device)
+    best = torch.empty(rows, splits, device=z.device)
+    idx = torch.empty(rows, splits, device=z.device, dtype=torch.int32)
+    _gumbel_argmax_kernel[(rows, splits)](z.contiguous(), key, thr.contiguous(), best, idx, vocab, splits,
+                                          CHUNK=chunk, BLOCK=1024, num_warps=4)  # fmt: skip
+    return idx.gather(1, best.argmax(dim=1, keepdim=True))[:, 0].long()
+
+
+@triton.jit
+def _ordered(bits):
+    """float32 bits (as int32) -> an int32 in the floats' order."""
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _top_p_kernel(z_ptr, thr_ptr, p_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = z_ptr + row.to(tl.int64) * V
+    thr = tl.load(thr_ptr + row)
+    target = tl.load(p_ptr + row)
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        ids = start + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.load(base + ids, mask=ids < V, other=float("-inf")))
+    shift = tl.max(top, axis=0)
+    shift = tl.where(shift == float("-inf"), 0.0, shift)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        ids = start + tl.arange(0, BLOCK)
+        z = tl.load(base + ids, mask=ids < V, other=float("-inf"))
+        total += tl.where(z >= thr, tl.exp(z - shift), 0.0)
+    target = target * tl.sum(total, axis=0)
+    lo = tl.full([], -2139095042, tl.int64)  # just below -inf's key: F = total >= target, false
+    hi = _ordered(shift.to(tl.int32, bitcast=True)).to(tl.int64)  # F(max) = 0 < target: true
+    for _ in range(32):
+        mid = lo + (hi - lo) // 2
+        m32 = mid.to(tl.int32)
+        v = tl.where(m32 >= 0, m32, m32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        above = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            ids = start + tl.arange(0, BLOCK)
+            z = tl.load(base + ids, mask=ids < V, other=float("-inf"))
+            above += tl.where((z > v) & (z >= thr), tl.exp(z - shift), 0.0)
+        true = tl.sum(above, axis=0) < target
+        hi = tl.where(true, mid, hi)
+        lo = tl.where(true, lo, mid)
+    h32 = hi.to(tl.int32)
+    tl.store(out_ptr + row, tl.where(h32 >= 0, h32, h32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True))
+
+
+def top_p_threshold_triton(z: torch.Tensor, thr: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, 1]: the smallest z each row keeps under its top_p (rows with top_p >= 1 keep everything: -inf),
+    among the tokens at or above `thr` [R, 1] (the top-k threshold, -inf for none)."""
+    rows, vocab = z.shape
+    out = torch.empty(rows, device=z.device, dtype=torch.float32)
+    _top_p_kernel[(rows,)](z.contiguous(), thr.contiguous(), top_p.contiguous(), out, vocab, BLOCK=2048,
+                           num_warps=8)  # fmt: skip
+    return torch.where(top_p[:, None] < 1.0, out[:, None], float("-inf"))
