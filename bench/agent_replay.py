@@ -387,7 +387,7 @@ def print_table(rows: list[dict]) -> None:
     print(f"{r0['agents']} agents x {r0['rounds']} rounds, tool results {r0['tool_tokens']} tokens, keep "
           f"{r0['keep']}, assistant turns {r0['assistant_tokens']} tokens")  # fmt: skip
     print("mode | total s | mean round s | last round s | TTFT ms mean/p90 | TPOT ms mean/p90 | "
-          "last TTFT ms | last TPOT ms | prompt sent | computed | cached | skipped | re-rotated | "
+          "last TTFT ms | last TPOT ms | prompt sent | computed (engine) | cached | skipped | re-rotated | "
           "KV B/decode tok (last round) | GPU busy (last round) | max pos")  # fmt: skip
     for r in rows:
         u, lr = r["usage"], r["last_round"]
@@ -397,7 +397,7 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(r['ttft_ms']['mean'])}/{fmt(r['ttft_ms']['p90'])} | "
               f"{fmt(r['tpot_ms']['mean'], 1, 2)}/{fmt(r['tpot_ms']['p90'], 1, 2)} | "
               f"{fmt(lr['ttft_ms']['mean'])} | {fmt(lr['tpot_ms']['mean'], 1, 2)} | {u['prompt_tokens']} | "
-              f"{u['computed_tokens']} | {u['cached_tokens']} | {u['drop_skipped_tokens']} | "
+              f"{r['engine'].get('prefill_tokens')} | {u['cached_tokens']} | {u['drop_skipped_tokens']} | "
               f"{u['repos_tokens']} | "
               f"{fmt(kv, 1, 0)} | {fmt(r['gpu_busy_last_round'], 1, 3)} | {r['max_position']}")  # fmt: skip
 

@@ -23,10 +23,12 @@ from minakv.text.chat import render
 
 
 def _token_list(value: Any, field: str, vocab_size: int) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    """`value` if it is a list of token ids in the vocabulary (checked with C-level passes, not a Python
+    loop per token: agent histories are long)."""
+    if not isinstance(value, list) or set(map(type, value)) - {int}:  # bool is not int here
         raise ValueError(f"{field} must be a list of integer token ids")
-    bad = next((t for t in value if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if value and (min(value) < 0 or max(value) >= vocab_size):
+        bad = next(t for t in value if not 0 <= t < vocab_size)
         raise ValueError(f"{field}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
     return value
 

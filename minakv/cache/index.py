@@ -57,18 +57,27 @@ class PageIndex:
             entry.dropped = dropped
         self.lru[entry.dropped][entry.page] = entry
 
-    def match(self, keys: Sequence[PageKey]) -> list[int | None]:
-        """Per page key: the cached page with exactly that KV, or None. Touches what it finds (LRU).
+    def match(self, keys: Sequence[PageKey], touch: bool = True) -> list[int | None]:
+        """Per page key: the cached page with exactly that KV, or None. Touches what it finds (LRU), unless
+        told not to (the caller then touches the pages it uses).
 
         Take a pool reference on the pages you use (`pool.incref`) before evicting anything: an
         eviction may otherwise free a matched page and hand it out again."""
         out: list[int | None] = []
         for key in keys:
             entry = self.by_key.get(key.key)
-            if entry is not None:
+            if entry is not None and touch:
                 self._touch(entry)
             out.append(entry.page if entry is not None else None)
         return out
+
+    def touch(self, pages: Sequence[int], dropped: bool | None = None) -> None:
+        """Mark cached pages as just used; `dropped=True` also puts them first in line for eviction (no
+        live request reads them any more)."""
+        for page in pages:
+            entry = self.by_page.get(page)
+            if entry is not None:
+                self._touch(entry, dropped)
 
     def insert(self, keys: Sequence[PageKey], pages: Sequence[int]) -> list[bool]:
         """Index each full page under its key (taking a pool reference). A key already cached keeps its
@@ -99,11 +108,13 @@ class PageIndex:
         """Free up to n pages nobody but the index holds: dropped-only pages first, then LRU."""
         freed: list[int] = []
         for dropped in (True, False):
-            for page in self.lru[dropped]:
+            lru, in_use = self.lru[dropped], []
+            for page in lru:
                 if len(freed) == n:
                     break
-                if self.pool.refcount[page] == 1:
-                    freed.append(page)
+                (freed if self.pool.refcount[page] == 1 else in_use).append(page)
+            for page in in_use:  # held by a request: as good as just used, so later scans skip it
+                lru.move_to_end(page)
         for page in freed:
             self.remove(page)
         return freed

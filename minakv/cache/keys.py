@@ -65,14 +65,20 @@ def record(digest: bytes, token: int, entry: Entry, source_position: int | None 
 
 
 def page_keys(
-    records: np.ndarray | Sequence[np.ndarray], page_size: int, dead: Sequence[bool] | None = None
+    records: np.ndarray | Sequence[np.ndarray],
+    page_size: int,
+    dead: Sequence[bool] | None = None,
+    parent: bytes | None = None,
 ) -> list[PageKey]:
-    """Chained keys of the full pages of `records` ([E, 5] rows; `dead[p]`: page p holds only dropped
-    entries)."""
+    """Chained keys of the full pages of `records` ([E, 5] rows; `dead[p]`: page p holds only entries no
+    live key reads); `parent`: the key of the page before the first one (None: the chain's root)."""
     rows = np.ascontiguousarray(np.asarray(records, dtype=np.int64).reshape(-1, 5))
-    prev = hash_parts(ROOT, b"%d" % page_size)  # the same records in pages of another size are other pages
+    # the same records in pages of another size are other pages
+    prev = parent if parent is not None else hash_parts(ROOT, b"%d" % page_size)
+    data, step = rows.tobytes(), page_size * rows.shape[1] * 8
+    flags = list(dead) if dead is not None and len(dead) else [False] * (len(rows) // page_size)
     keys = []
-    for p in range(len(rows) // page_size):
-        prev = hash_parts(prev, rows[p * page_size : (p + 1) * page_size].tobytes())
-        keys.append(PageKey(prev, bool(dead is not None and len(dead) and dead[p])))
+    for p in range(len(rows) // page_size):  # hash_parts(prev, page), inlined: this loop runs per page
+        prev = hashlib.blake2b(prev + data[p * step : (p + 1) * step], digest_size=16).digest()
+        keys.append(PageKey(prev, bool(flags[p])))
     return keys

@@ -36,7 +36,7 @@ class KVCache:
         page: an evicted page leaves a hole and the pages after it still match."""
         if not self.enabled:
             return [None] * len(keys)
-        return self.index.match(keys)
+        return self.index.match(keys, touch=False)
 
     def available(self, exclude: list[int] = ()) -> int:
         """Pages a request could get now: free ones plus evictable cached ones not in `exclude`."""
@@ -44,8 +44,14 @@ class KVCache:
         return self.pool.num_free + self.index.evictable() - taken
 
     def acquire(self, pages: list[int]) -> list[int]:
+        """Hold cached pages for a request (they become the most recently used)."""
         self.pool.incref(pages)
+        self.index.touch(pages)
         return list(pages)
+
+    def retire(self, pages: list[int]) -> None:
+        """Cached pages a request found but does not read (an old stage, a dropped message): evict first."""
+        self.index.touch(pages, dropped=True)
 
     def allocate(self) -> int | None:
         """A fresh page, evicting one cached page if none is free; None if nothing can be had."""

@@ -166,11 +166,16 @@ def plan_request(program: Program, token_ids: list[int]) -> Plan:
 
 
 def entries_to_compute(plan: Plan, have: np.ndarray) -> np.ndarray:
-    """Which entries to compute when the `have` ones are cached (docs/design.md 3.3): the last token's entry
-    and those the first generated token reads, plus, transitively, everything a computed entry reads (its
-    segment's outside keys and earlier members; a copy's source). Reads only go backwards, so one reverse
-    pass over the blocks settles it. An evicted entry nobody reads (typically a dropped one) is not
-    recomputed."""
+    """Which entries to compute when the `have` ones are cached (docs/design.md 3.3); see `closure`."""
+    return closure(plan, have)[0]
+
+
+def closure(plan: Plan, have: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(entries to compute, entries read) when the `have` ones are cached: the last token's entry and those
+    the first generated token reads, plus, transitively, everything a computed entry reads (its segment's
+    outside keys and earlier members; a copy's source). Reads only go backwards, so one reverse pass over
+    the blocks settles it. An evicted entry nobody reads (typically a dropped one, or a key superseded by
+    a later reposition's copy) is not recomputed, and a cached one nobody reads need not be held."""
     have = np.asarray(have, dtype=bool)
     needed = np.zeros(plan.size, dtype=bool)
     needed[plan.last_entry] = True
@@ -189,4 +194,4 @@ def entries_to_compute(plan: Plan, have: np.ndarray) -> np.ndarray:
             needed[first : last + 1] = True
             needed[plan.segment_keys[segment]] = True
         todo.append(chosen)
-    return np.concatenate(todo[::-1]) if todo else np.zeros(0, np.int64)
+    return (np.concatenate(todo[::-1]) if todo else np.zeros(0, np.int64)), needed

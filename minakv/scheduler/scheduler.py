@@ -219,7 +219,12 @@ class Scheduler:
 
     def _admit(self) -> list[Request]:
         failed = []
+        # prefill work already admitted: planning more than the next step can compute only delays it (the
+        # rest is planned during later steps, while the device computes these)
+        queued = sum(len(r.todo) - r.cursor for r in self.running)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
+            if queued >= self.config.max_num_batched_tokens:
+                break
             r = self.waiting[0]
             if r.plan is None:
                 self._plan(r)
@@ -236,6 +241,7 @@ class Scheduler:
                     continue
             self.waiting.popleft()
             self.kv.acquire(a.matched)  # hold them before anything is evicted to make room
+            self.kv.retire(a.unread)
             r.pages, r.missing, r.incomplete = a.pages, a.missing, a.incomplete
             r.todo, r.cursor = a.todo, 0
             r.usage.cached_tokens = max(r.usage.cached_tokens, a.hits)
@@ -243,6 +249,7 @@ class Scheduler:
             r.status = Status.RUNNING
             self.running.append(r)
             self._ensure_pages(r, r.num_entries)
+            queued += len(r.todo)
         return failed
 
     def _plan(self, r: Request) -> None:
