@@ -126,7 +126,13 @@ class Engine:
         done: dict[str, RequestOutput] = {}
         start, tokens = time.perf_counter(), 0
         while len(done) < len(requests):
-            for r in self.step():
+            try:
+                changed = self.step()
+            except Exception as exc:  # leave no half-run request behind: the engine stays usable
+                self._inflight = None
+                self.scheduler.fail_all(f"internal error: {exc!r}")
+                raise
+            for r in changed:
                 if r.finish_reason is not None:
                     done[r.request_id] = r.output(incremental=False)
                     tokens += len(r.output_ids)

@@ -76,6 +76,28 @@ def test_decode_matches_float64_reference(
 
 
 @interpreted
+@pytest.mark.parametrize("window", [None, 1, 8, 200])
+def test_ascending_rows_read_only_the_window(window: int | None) -> None:
+    """The engine's rows (strictly increasing positions, the query's own key last): skipping all but the
+    last `window` keys changes nothing, in the kernel and in the reference; and the shortcut is not
+    taken for free: a query at an earlier position would see other keys."""
+    case = random_case(8, 16, [0, 1, 61, 150], torch.float32, seed=11)
+    bounds = case["kv_indptr"].tolist()
+    case["q_pos"] = torch.tensor([0] + [int(case["kv_pos"][b - 1]) for b in bounds[2:]])  # own key last
+    ref = float64_ref(case, window, True)
+    fast = decode_attention_triton(**case, window=window, block_n=16, ascending=True)
+    assert rel_err(fast[1:], ref[1:]) < 1e-5
+    ref_fast = decode_attention_ref(**case, window=window, ascending=True)
+    assert rel_err(ref_fast[1:].double(), ref[1:]) < 1e-6
+    if window == 8:  # the contract matters: with a key past the query the last 8 keys miss a visible one
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        case["kv_pos"] = torch.cat([torch.arange(n) for n in lengths])  # no gaps: 8 keys span 8 positions
+        case["q_pos"] = torch.tensor([max(n - 2, 0) for n in lengths])
+        assert rel_err(decode_attention_ref(**case, window=window, ascending=True)[2:].double(),
+                       float64_ref(case, window, True)[2:]) > 1e-3  # fmt: skip
+
+
+@interpreted
 def test_decode_bf16_and_default_splits() -> None:
     case = random_case(8, 16, [33, 5, 70], torch.bfloat16, seed=7)
     ref = float64_ref(case, 16, True)

@@ -38,17 +38,25 @@ def decode_attention(
     sinks: torch.Tensor | None = None,  # [Hq]
     max_kv_len: int | None = None,  # host-side hint: longest key list (saves a device sync)
     kv_end: torch.Tensor | None = None,  # [B]: then kv_indptr is [B] starts
+    ascending: bool = False,  # each request's keys sit at strictly increasing positions, none past q_pos
 ) -> torch.Tensor:
     """Attention output [B, Hq, D]: Triton on CUDA tensors, the torch reference otherwise."""
     fn = decode_attention_triton if use_triton(q) else decode_attention_ref
-    return fn(
-        q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, scale, window, sinks, max_kv_len, kv_end
-    )
+    args = (q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, scale, window, sinks, max_kv_len, kv_end)
+    return fn(*args, ascending=ascending)
 
 
 def _bounds(kv_indptr: torch.Tensor, kv_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-request (start, end) of the key range, from CSR offsets or explicit starts and ends."""
     return (kv_indptr[:-1], kv_indptr[1:]) if kv_end is None else (kv_indptr, kv_end)
+
+
+def window_start(start: int, end: int, window: int | None, ascending: bool) -> int:
+    """Where a request's visible keys can begin. With keys at strictly increasing (so distinct, integer)
+    positions, none past the query's (the engine's rows: active keys in logical order, the query's own
+    last), at most `window` of them lie in (q_pos - window, q_pos], and they are the last `window` keys.
+    So a sliding-window layer reads at most the window, however long the history."""
+    return max(start, end - window) if ascending and window is not None else start
 
 
 def decode_attention_ref(
@@ -64,14 +72,17 @@ def decode_attention_ref(
     sinks: torch.Tensor | None = None,
     max_kv_len: int | None = None,
     kv_end: torch.Tensor | None = None,
+    *,
+    ascending: bool = False,
 ) -> torch.Tensor:
     """Torch reference: gather each request's keys and run the dense masked attention."""
     _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks, kv_end)
     out = torch.empty_like(q)
     starts, ends = (t.tolist() for t in _bounds(kv_indptr, kv_end))
     for b in range(q.shape[0]):
-        slots = kv_slots[starts[b] : ends[b]].long()
-        mask = position_mask(q_pos[b : b + 1], kv_pos[starts[b] : ends[b]].long(), window)
+        lo = window_start(starts[b], ends[b], window, ascending)
+        slots = kv_slots[lo : ends[b]].long()
+        mask = position_mask(q_pos[b : b + 1], kv_pos[lo : ends[b]].long(), window)
         out[b] = masked_attention(q[b : b + 1], k_cache[slots], v_cache[slots], mask, scale, sinks)[0]
     return out
 
@@ -90,6 +101,7 @@ def decode_attention_triton(
     max_kv_len: int | None = None,
     kv_end: torch.Tensor | None = None,
     *,
+    ascending: bool = False,
     num_splits: int | None = None,
     block_n: int = 128,
     num_warps: int = 4,
@@ -106,6 +118,8 @@ def decode_attention_triton(
         return out
     if max_kv_len is None:
         max_kv_len = int((ends - starts).max().item())
+    if ascending and window is not None:  # only the last `window` keys can be visible (window_start)
+        max_kv_len = min(max_kv_len, window)
     if num_splits is None:
         # Aim at ~6 programs per multiprocessor (H200, batch 64 x 8k: 2 splits best, 1 split 40% slower,
         # 16 splits 10% slower); never give a chunk fewer than 4 blocks of keys.
@@ -121,7 +135,8 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, F32_DOT=q.dtype == torch.float32 or interpreting(),
+        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, ASCENDING=ascending,
+        F32_DOT=q.dtype == torch.float32 or interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     sinks_arg = sinks if sinks is not None else part_ml  # any pointer; unused without sinks
@@ -156,13 +171,16 @@ def _decode_split_kernel(
     scale_log2, window, keys_per_split,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, ASCENDING: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)  # fastest: the KV heads of one key row are read together
     b = tl.program_id(1)
     split = tl.program_id(2)
     start = tl.load(start_ptr + b)
     end = tl.load(end_ptr + b)
+    if HAS_WINDOW and ASCENDING:  # the last `window` keys hold every visible one (window_start)
+        start = tl.maximum(start, end - window)
     lo = start + split * keys_per_split
     hi = tl.minimum(end, lo + keys_per_split)
 

@@ -94,9 +94,20 @@ class PagedContext:
         if b:
             kv_start, kv_end, kv_slots, kv_pos = self.decode
             decode = decode_attention(
-                q[:b], k_cache, v_cache, kv_start, kv_slots, kv_pos, self.positions[:b], layer.scale,
-                layer.window, layer.sinks, max_kv_len=self.max_kv_len + 1, kv_end=kv_end,
-            )  # fmt: skip
+                q[:b],
+                k_cache,
+                v_cache,
+                kv_start,
+                kv_slots,
+                kv_pos,
+                self.positions[:b],
+                layer.scale,
+                layer.window,
+                layer.sinks,
+                max_kv_len=self.max_kv_len + 1,
+                kv_end=kv_end,
+                ascending=True,
+            )  # fmt: skip  (a row's keys sit at increasing positions: active tokens in logical order)
         if q.shape[0] > b:
             seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos = self.segments
             q_pos, q_slots = self.positions[b:], self.slots[b:]
