@@ -95,11 +95,11 @@ class Agent:
         """The request of round r (the history holds r tool results)."""
         assert len(self.messages) == 2 + 2 * r
         if mode == "plain":
-            return {"segments": list(self.messages)}
+            return {"message_tokens": list(self.messages)}
         if mode == "kv_drop":
-            return {"segments": list(self.messages), "cache": cache_ops(r, keep)}
+            return {"message_tokens": list(self.messages), "cache": cache_ops(r, keep)}
         if mode == "text_drop":
-            return {"segments": text_kept(self.messages, r, keep)}
+            return {"message_tokens": text_kept(self.messages, r, keep)}
         raise ValueError(f"unknown mode {mode!r}")
 
     def append(self, r: int, generated: list[int]) -> None:
@@ -307,7 +307,7 @@ def warm_up(engine: Engine, args: argparse.Namespace, vocab: int) -> None:
     rng = np.random.default_rng(12345)
     hi = min(vocab, MAX_TOKEN_ID)
     prompts = [
-        {"segments": [rng.integers(0, hi, n).tolist() for n in (40, 24, 40)],
+        {"message_tokens": [rng.integers(0, hi, n).tolist() for n in (40, 24, 40)],
          "cache": {"drop": {"2": [1]}, "reposition": [2]}}
         for _ in range(args.agents)
     ]  # fmt: skip

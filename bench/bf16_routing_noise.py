@@ -63,7 +63,9 @@ def main() -> None:
             if not compiles(segments, cache):
                 continue
             others = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(2)]
-            out = engine.generate([others[0], {"segments": segments, "cache": cache}, others[1]], GREEDY)[1]
+            out = engine.generate(
+                [others[0], {"message_tokens": segments, "cache": cache}, others[1]], GREEDY
+            )[1]
             r64 = chosen(cpu, segments, cache, out.token_ids)
             ours = torch.tensor([lp.logprob for lp in out.logprobs], dtype=torch.float64)
             row = {

@@ -1,7 +1,7 @@
 """The `Engine`: the one public entry point that the server and Python users share.
 
     engine = Engine("tiny-gpt-oss")
-    outs = engine.generate(["Hello", [1, 2, 3], {"segments": [[...], [...]], "cache": {"drop": {"1": [0]}}}])
+    outs = engine.generate(["Hello", [1, 2, 3], {"message_tokens": [[...], [...]], "cache": {"drop": {"1": [0]}}}])
 
 One step is `scheduler.schedule()` -> `worker.step(batch)` -> `scheduler.update(batch, result)`.
 `generate` drives steps synchronously. `stream` (async) hands requests to a background thread that

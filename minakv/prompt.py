@@ -3,7 +3,7 @@
 Prompt forms:
 - `str`: tokenized as is (one owner).
 - `list[int]`: token ids (one owner).
-- `{"segments": [[ids], ...], "cache": {...}}`: pre-tokenized messages, one owner each, no template.
+- `{"message_tokens": [[ids], ...], "cache": {...}}`: pre-tokenized messages, one owner each, no template.
 - `{"messages": [...], "tools": [...], "cache": {...}, "chat_template_kwargs": {...}}`: rendered once with
   the model's chat template; every token owned by its message, the generation prompt by owner N.
 
@@ -49,22 +49,22 @@ def tokens_and_owners(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int
     cache = prompt.get("cache") or {}
     if not isinstance(cache, dict) or set(cache) - {"drop", "reposition"}:
         raise ValueError(f"cache must be an object with optional 'drop' and 'reposition', got {cache!r}")
-    if "segments" in prompt:
-        segments = prompt["segments"]
-        if not isinstance(segments, list) or not segments:
-            raise ValueError("segments must be a non-empty list of token-id lists")
+    if "message_tokens" in prompt:
+        messages = prompt["message_tokens"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("message_tokens must be a non-empty list of token-id lists")
         ids, owners = [], []
-        for i, seg in enumerate(segments):
-            ids += _token_list(seg, f"segments[{i}]", vocab_size)
-            owners += [i] * len(seg)
-        return ids, owners, len(segments), cache
+        for i, tokens in enumerate(messages):
+            ids += _token_list(tokens, f"message_tokens[{i}]", vocab_size)
+            owners += [i] * len(tokens)
+        return ids, owners, len(messages), cache
     if "messages" in prompt:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render messages")
         kwargs = prompt.get("chat_template_kwargs") or {}
         rendered = render(prompt["messages"], tokenizer, tools=prompt.get("tools"), **kwargs)
         return rendered.token_ids, rendered.owners, rendered.num_messages, cache
-    raise ValueError("a dict prompt needs 'segments' or 'messages'")
+    raise ValueError("a dict prompt needs 'message_tokens' or 'messages'")
 
 
 def make_request(

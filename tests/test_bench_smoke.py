@@ -79,7 +79,7 @@ def test_agent_replay_max_position_matches_the_program() -> None:
             for j in range(r):
                 agent.append(j, [4] * 5)
             prompt = agent.prompt(r, mode, args.keep)
-            lengths = [len(m) for m in prompt["segments"]]
+            lengths = [len(m) for m in prompt["message_tokens"]]
             ops = prompt.get("cache", {})
             owners = np.repeat(np.arange(len(lengths)), lengths)
             program = compile_program(owners, len(lengths), ops.get("drop"), ops.get("reposition"))

@@ -263,8 +263,8 @@ def test_length_limits_match_birth_positions(tok):
     flat = [t for seg in segs for t in seg]
     prompts = [
         flat,
-        {"segments": segs, "cache": {"drop": {"2": [0]}}},
-        {"segments": segs, "cache": {"drop": {"2": [0]}, "reposition": [2]}},
+        {"message_tokens": segs, "cache": {"drop": {"2": [0]}}},
+        {"message_tokens": segs, "cache": {"drop": {"2": [0]}, "reposition": [2]}},
     ]
     outputs = tok.encode(" and then the model keeps on talking for quite a while longer" * 4)
     for prompt in prompts:

@@ -173,7 +173,7 @@ def test_bad_input_is_a_clear_error(engine):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([[engine.model.config.vocab_size]])
     with pytest.raises(ValueError, match="drop"):
-        engine.generate([{"segments": [[1], [2]], "cache": {"drop": {"0": [1]}}}])
+        engine.generate([{"message_tokens": [[1], [2]], "cache": {"drop": {"0": [1]}}}])
     with pytest.raises(ValueError, match="max_model_len"):
         engine.generate([[1] * (engine.max_model_len + 1)])
     pool_tokens = engine.stats()["pages_total"] * engine.config.page_size

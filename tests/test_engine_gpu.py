@@ -178,9 +178,9 @@ def test_bf16_random_programs_match_the_walk(engine, models, data, seed):
         return
     rng = random.Random(seed)
     others = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(2)]
-    outs = engine.generate([others[0], {"segments": segments, "cache": cache}, others[1]], GREEDY)
+    outs = engine.generate([others[0], {"message_tokens": segments, "cache": cache}, others[1]], GREEDY)
     assert_close_to_oracle(models, segments, cache, outs[1])
-    again = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
+    again = engine.generate([{"message_tokens": segments, "cache": cache}], GREEDY)[0]
     assert_close_to_oracle(models, segments, cache, again)
     engine.check()
 

@@ -60,10 +60,12 @@ def test_engine_through_the_kernels_matches_the_walk(kernels_on_cpu, family, sha
     segments, cache = PROGRAMS[program]
     assert compiles(segments, cache)
     others = [[rng.randrange(384) for _ in range(rng.randint(1, 5))] for _ in range(2)]
-    outs = engine.generate([others[0], {"segments": segments, "cache": cache}, others[1]], GREEDY)
+    outs = engine.generate([others[0], {"message_tokens": segments, "cache": cache}, others[1]], GREEDY)
     assert_matches_oracle(model64, segments, cache, outs[1], tol=1e-4)
     for prompt, out in zip(others, (outs[0], outs[2])):
         assert_matches_oracle(model64, [prompt], {}, out, tol=1e-4)
-    again = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]  # full pages from the cache
+    again = engine.generate([{"message_tokens": segments, "cache": cache}], GREEDY)[
+        0
+    ]  # full pages from the cache
     assert_matches_oracle(model64, segments, cache, again, tol=1e-4)
     engine.check()

@@ -40,7 +40,7 @@ def decode_traffic(model, history: int, steps: int = 6) -> list[int]:
     engine = Engine(model, kv_cache_tokens=history + 256, max_num_batched_tokens=1 << 20)
     half = history // 2
     segments = [(np.arange(half) % 500).tolist(), (np.arange(history - half) % 500).tolist()]
-    prompt = {"segments": segments, "cache": {"drop": {"1": [0]}}}
+    prompt = {"message_tokens": segments, "cache": {"drop": {"1": [0]}}}
     engine.scheduler.add(
         engine._make(prompt, SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True))
     )

@@ -47,12 +47,12 @@ def test_random_programs_match_the_walk(engine, model, data, seed):
         return
     rng = random.Random(seed)
     others = unrelated(rng, 2)
-    prompts = [others[0], {"segments": segments, "cache": cache}, others[1]]
+    prompts = [others[0], {"message_tokens": segments, "cache": cache}, others[1]]
     outs = engine.generate(prompts, GREEDY)
     assert_matches_oracle(model, segments, cache, outs[1])
     engine.check()
     # the same request again, alone: served from the cache (when it fits) and still exact
-    again = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
+    again = engine.generate([{"message_tokens": segments, "cache": cache}], GREEDY)[0]
     assert again.token_ids == outs[1].token_ids
     assert [x.logprob for x in again.logprobs] == pytest.approx(
         [x.logprob for x in outs[1].logprobs], abs=1e-6
@@ -74,7 +74,7 @@ def test_multi_round_agent_reuses_the_cache_and_matches_a_cold_engine(model):
         if round_ == 2:
             reposition.append(len(history) - 1)
         cache = {"drop": dict(drop), "reposition": list(reposition)}
-        prompt = {"segments": [list(s) for s in history], "cache": cache}
+        prompt = {"message_tokens": [list(s) for s in history], "cache": cache}
         out = warm.generate([prompt], GREEDY)[0]
         assert_matches_oracle(model, history, cache, out)
         cold = Engine(model, page_size=4, kv_cache_tokens=2048).generate([prompt], GREEDY)[0]
@@ -93,11 +93,11 @@ def test_eviction_and_restore_between_rounds(model):
     engine = Engine(model, page_size=4, max_num_batched_tokens=32, kv_cache_tokens=96)
     segments = [[rng.randrange(384) for _ in range(10)] for _ in range(4)]
     cache = {"drop": {"2": [1]}, "reposition": [2]}
-    first = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
+    first = engine.generate([{"message_tokens": segments, "cache": cache}], GREEDY)[0]
     for other in unrelated(rng, 3):
         engine.generate([other * 3], GREEDY)
     assert engine.stats()["evictions"] > 0
-    second = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
+    second = engine.generate([{"message_tokens": segments, "cache": cache}], GREEDY)[0]
     assert first.token_ids == second.token_ids
     assert_matches_oracle(model, segments, cache, second)
     engine.check()
@@ -110,13 +110,13 @@ def test_restore_around_an_evicted_dropped_message(model):
     engine = Engine(model, page_size=4, kv_cache_tokens=256)
     segments = [[rng.randrange(384) for _ in range(8)] for _ in range(4)]  # 8 tokens = 2 pages each
     cache = {"drop": {"2": [1]}}  # message 1 is read by message 2, then dropped
-    first = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
+    first = engine.generate([{"message_tokens": segments, "cache": cache}], GREEDY)[0]
     index = engine.scheduler.kv.index
     dropped_pages = {e.page for e in index.by_page.values() if e.dropped}
     assert len(dropped_pages) == 2
     assert set(index.evict(2)) == dropped_pages  # dropped-only pages go first
     before = engine.stats()["prefill_tokens"]
-    second = engine.generate([{"segments": segments, "cache": cache}], GREEDY)[0]
+    second = engine.generate([{"message_tokens": segments, "cache": cache}], GREEDY)[0]
     assert engine.stats()["prefill_tokens"] - before == 4  # the page holding the last token, nothing else
     assert second.usage.cached_tokens == 32 - 8 - 4  # all but the dropped message and the last page
     assert second.token_ids == first.token_ids
@@ -149,7 +149,7 @@ def test_history_dependence_three_requests(model):
     ]
     expected = []
     engine = Engine(model, page_size=1, kv_cache_tokens=1024)
-    prompts = [{"segments": s, "cache": cache} for s, cache in histories]
+    prompts = [{"message_tokens": s, "cache": cache} for s, cache in histories]
     together = engine.generate(prompts, GREEDY)
     reversed_ = engine.generate(prompts[::-1], GREEDY)[::-1]
     one_by_one = [engine.generate([p], GREEDY)[0] for p in prompts]

@@ -24,7 +24,7 @@ def paged_slots(count: int, page_size: int, gen: torch.Generator) -> tuple[torch
 
 
 def random_case(group: int, page_size: int, q_lens: list[int], ctx_lens: list[int], dtype, seed: int):
-    """Segments with random context keys (gapped positions, as after drops) and consecutive own tokens."""
+    """Parts with random context keys (gapped positions, as after drops) and consecutive own tokens."""
     gen = torch.Generator().manual_seed(seed)
     num_kv_heads, head_dim = (1 if group == 8 else 2), 32
     num_heads = group * num_kv_heads
@@ -61,7 +61,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-# Segments: no queries; one query and no context; one query with one context key; 37 queries over 29
+# Parts: no queries; one query and no context; one query with one context key; 37 queries over 29
 # context keys (blocks straddle the context/own boundary); 20 queries with no context.
 Q_LENS, CTX_LENS = [0, 1, 1, 37, 20], [4, 0, 1, 29, 0]
 

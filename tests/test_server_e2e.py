@@ -224,7 +224,9 @@ def test_thinking_drop_drops_reasoning_segment(engine: Engine, client: openai.Op
         {"role": "user", "content": "and today"},
     ]
     prompt, length = hand_thinking_drop(engine.tokenizer, msgs, 1, "think about the weather")
-    assert len(prompt["segments"]) == 6  # user, header, reasoning, rest of message 1, user, generation prompt
+    assert (
+        len(prompt["message_tokens"]) == 6
+    )  # user, header, reasoning, rest of message 1, user, generation prompt
     ref = greedy(engine, prompt, 4)
     base = {"model": NAME, "messages": msgs, "max_tokens": 4, "temperature": 0, "logprobs": True}
     resp = client.chat.completions.create(**base, extra_body={"drop_rule": {"type": "thinking_drop"}})

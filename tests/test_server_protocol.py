@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minakv.cache.program import compile_program
-from minakv.server.cache_ops import parse_cache_ops, split_segments, to_segments
+from minakv.server.cache_ops import ops_over_parts, parse_cache_ops, split_parts
 from minakv.server.prompts import chat_prompt, completion_prompt, sampling_params
 from minakv.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, decode_request
 
@@ -155,12 +155,12 @@ def test_thinking_drop_segments_drop_reasoning_at_end_of_its_message() -> None:
     owners = [0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3, 4]
     reasoning = [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]
     tokens = list(range(100, 100 + len(owners)))
-    segs = split_segments(tokens, owners, [bool(r) for r in reasoning], 4)
+    segs = split_parts(tokens, owners, [bool(r) for r in reasoning], 4)
     assert [len(s) for s in segs.token_ids] == [2, 1, 2, 3, 2, 1, 2, 1]
     assert segs.of_message == [[0], [1, 2, 3], [4], [5, 6], [7]]
     assert [t for s in segs.token_ids for t in s] == tokens
     ops = parse_cache_ops(chat(drop_rule={"type": "thinking_drop"}, reposition=[2]))
-    cache = to_segments(ops, segs, 4)
+    cache = ops_over_parts(ops, segs, 4)
     assert cache == {"drop": {3: [2], 6: [5]}, "reposition": [4]}
     seg_owners = [i for i, s in enumerate(segs.token_ids) for _ in s]
     visible = walk_visible_until(seg_owners, len(segs.token_ids) - 1, cache)
@@ -176,9 +176,9 @@ def test_thinking_drop_segments_drop_reasoning_at_end_of_its_message() -> None:
 def test_message_ops_renumbered_into_segments() -> None:
     owners = [0, 0, 1, 1, 1, 2, 3, 3]
     reasoning = [False, False, False, True, False, False, False, False]
-    segs = split_segments(list(range(8)), owners, reasoning, 3)
+    segs = split_parts(list(range(8)), owners, reasoning, 3)
     req = chat(drop_message={"2": [1], "7": [0]}, reposition=[1, 9])  # 7 and 9: future events, left out
-    cache = to_segments(parse_cache_ops(req), segs, 3)
+    cache = ops_over_parts(parse_cache_ops(req), segs, 3)
     assert cache == {"drop": {4: [1, 2, 3]}, "reposition": [3]}
     seg_owners = [i for i, s in enumerate(segs.token_ids) for _ in s]
     msg_prog = compile_program(owners, 3, {2: [1]}, [1])
@@ -204,7 +204,7 @@ def test_thinking_drop_flags_exactly_the_reasoning(reasoning: str, inline: bool)
     ops = parse_cache_ops(chat(drop_rule={"type": "thinking_drop"}))
     prompt = thinking_drop_prompt(tok, {"messages": msgs}, ops)
     ((trigger, dropped),) = prompt["cache"]["drop"].items()
-    segments = prompt["segments"]
+    segments = prompt["message_tokens"]
     assert tok.decode(segments[dropped[0]]).strip("\n") == reasoning.strip("\n") and len(dropped) == 1
     assert tok.decode([t for s in segments[: dropped[0]] for t in s]).endswith("<think>")  # not the header
     assert tok.decode(segments[trigger]).endswith("[e~[\n")  # dropped at the end of its own message

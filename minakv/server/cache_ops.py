@@ -9,10 +9,10 @@ so the error names the field the client wrote; the engine re-checks the semantic
 
 `thinking_drop` drops each assistant message's reasoning at the end of that same message. A message-level
 drop cannot say "part of message i", so the server renders the conversation itself, finds where each
-reasoning was printed (`with_sentinels`, `reasoning_spans`), cuts every message into segments at reasoning
-boundaries (`split_segments`), and sends the engine a segments prompt in which the reasoning of message i
-is its own owner: the drop becomes `{last segment of i: [reasoning segments]}` and the client's
-message-level operations are renumbered into segment ids (`to_segments`).
+reasoning was printed (`with_sentinels`, `reasoning_spans`), cuts every message into parts at reasoning
+boundaries (`split_parts`), and sends the engine a `message_tokens` prompt in which the reasoning of
+message i is its own owner: the drop becomes `{last part of i: [reasoning parts]}` and the client's
+message-level operations are renumbered into part ids (`ops_over_parts`).
 """
 
 from __future__ import annotations
@@ -124,24 +124,22 @@ def check_reposition(reposition: list[int], param: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# thinking_drop: segments at reasoning boundaries
+# thinking_drop: parts of messages, cut at reasoning boundaries
 
 
 @dataclass
-class Segments:
-    token_ids: list[list[int]]  # one token list per segment (= per owner in the engine's segments form)
-    of_message: list[list[int]]  # message id -> its segment ids, in order (possibly empty)
-    reasoning: list[bool]  # per segment: holds an assistant message's reasoning
+class Parts:
+    token_ids: list[list[int]]  # one token list per part (= per owner in the engine's message_tokens form)
+    of_message: list[list[int]]  # message id -> its part ids, in order (possibly empty)
+    reasoning: list[bool]  # per part: holds an assistant message's reasoning
 
 
-def split_segments(
-    token_ids: list[int], owners: list[int], reasoning: list[bool], num_messages: int
-) -> Segments:
+def split_parts(token_ids: list[int], owners: list[int], reasoning: list[bool], num_messages: int) -> Parts:
     """Cut the rendered tokens wherever the owner or the reasoning flag changes. Owners must be monotone
     (0..num_messages; the generation prompt is owner num_messages)."""
     if not (len(token_ids) == len(owners) == len(reasoning)):
         raise ValueError("token_ids, owners and reasoning flags must have the same length")
-    segs = Segments([], [[] for _ in range(num_messages + 1)], [])
+    segs = Parts([], [[] for _ in range(num_messages + 1)], [])
     prev: tuple[int, bool] | None = None
     for tok, owner, flag in zip(token_ids, owners, reasoning):
         owner = min(max(owner, 0), num_messages)
@@ -156,23 +154,23 @@ def split_segments(
     return segs
 
 
-def _last_segment_upto(segs: Segments, message: int) -> int | None:
-    """The last segment of the latest message <= `message` that owns tokens: a boundary placed after
-    message m is the first token after that segment."""
+def _last_part_upto(segs: Parts, message: int) -> int | None:
+    """The last part of the latest message <= `message` that owns tokens: a boundary placed after
+    message m is the first token after that part."""
     for m in range(min(message, len(segs.of_message) - 1), -1, -1):
         if segs.of_message[m]:
             return segs.of_message[m][-1]
     return None
 
 
-def to_segments(ops: CacheOps, segs: Segments, num_messages: int) -> dict:
-    """The engine's cache dict over segment ids: message operations renumbered, plus the reasoning drops
+def ops_over_parts(ops: CacheOps, segs: Parts, num_messages: int) -> dict:
+    """The engine's cache dict over part ids: message operations renumbered, plus the reasoning drops
     when `ops.thinking_drop`. Operations after the last message (future events) are left out."""
     drop: dict[int, set[int]] = {}
     for trigger, ids in ops.drop.items():
         if trigger >= num_messages:
             continue
-        at = _last_segment_upto(segs, trigger)
+        at = _last_part_upto(segs, trigger)
         dropped = {s for i in ids for s in segs.of_message[i]}
         if at is not None and dropped:
             drop.setdefault(at, set()).update(dropped)
@@ -182,7 +180,7 @@ def to_segments(ops: CacheOps, segs: Segments, num_messages: int) -> dict:
             if mine:
                 drop.setdefault(segs.of_message[m][-1], set()).update(mine)
     reposition = sorted(
-        {s for m in ops.reposition if m < num_messages and (s := _last_segment_upto(segs, m)) is not None}
+        {s for m in ops.reposition if m < num_messages and (s := _last_part_upto(segs, m)) is not None}
     )
     return {"drop": {n: sorted(ids) for n, ids in sorted(drop.items())}, "reposition": reposition}
 

@@ -11,11 +11,11 @@ from typing import Any
 from minakv.params import SamplingParams
 from minakv.server.cache_ops import (
     CacheOps,
+    ops_over_parts,
     parse_cache_ops,
     reasoning_flags,
     reasoning_spans,
-    split_segments,
-    to_segments,
+    split_parts,
     with_sentinels,
 )
 from minakv.server.protocol import (
@@ -147,9 +147,9 @@ def chat_prompt(
 
 
 def thinking_drop_prompt(tokenizer: Any, prompt: dict[str, Any], ops: CacheOps) -> dict[str, Any]:
-    """thinking_drop as a segments prompt (see ops.py): render once, locate each assistant message's
+    """thinking_drop as a message_tokens prompt (see cache_ops.py): render once, locate each assistant message's
     reasoning by rendering again with sentinels in its place (text only, no tokenizing), cut the tokens at
-    reasoning boundaries, renumber the operations into segment ids."""
+    reasoning boundaries, renumber the operations into part ids."""
     from minakv.text.chat import normalize_message, render, render_spans
 
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -164,8 +164,8 @@ def thinking_drop_prompt(tokenizer: Any, prompt: dict[str, Any], ops: CacheOps) 
     normalized = [normalize_message(m, i) for i, m in enumerate(marked_messages)]
     marked, _ = render_spans(normalized, tokenizer.chat_template, tools, True, **template_kwargs)
     flags = reasoning_flags(rendered.offsets, reasoning_spans(rendered.text, marked, where))
-    segs = split_segments(rendered.token_ids, rendered.owners, flags, rendered.num_messages)
-    return {"segments": segs.token_ids, "cache": to_segments(ops, segs, rendered.num_messages)}
+    segs = split_parts(rendered.token_ids, rendered.owners, flags, rendered.num_messages)
+    return {"message_tokens": segs.token_ids, "cache": ops_over_parts(ops, segs, rendered.num_messages)}
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:

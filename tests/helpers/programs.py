@@ -89,7 +89,7 @@ def requests(draw):
 
 @st.composite
 def programs(draw, max_messages: int = 6, max_len: int = 9, vocab: int = 384):
-    """Segments (one token list per message) plus valid drop/reposition operations."""
+    """Parts (one token list per message) plus valid drop/reposition operations."""
     n = draw(st.integers(1, max_messages))
     segments = [draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=max_len)) for _ in range(n)]
     drop: dict[str, list[int]] = {}

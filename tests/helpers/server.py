@@ -85,4 +85,4 @@ def hand_thinking_drop(
     cuts = sorted({owners.index(o) for o in set(owners)} | {lo, hi + 1, len(ids)})
     segments = [ids[a:b] for a, b in pairwise(cuts)]
     seg_of = {t: k for k, (a, b) in enumerate(pairwise(cuts)) for t in range(a, b)}
-    return {"segments": segments, "cache": {"drop": {seg_of[mine[-1]]: [seg_of[lo]]}}}, len(ids)
+    return {"message_tokens": segments, "cache": {"drop": {seg_of[mine[-1]]: [seg_of[lo]]}}}, len(ids)
