@@ -9,7 +9,7 @@ import random
 import pytest
 from helpers.models import tiny_model
 from helpers.programs import assert_matches_oracle, compiles, programs
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from minakv import Engine, SamplingParams
@@ -41,6 +41,8 @@ def unrelated(rng: random.Random, n: int) -> list[list[int]]:
 
 @settings(max_examples=17, deadline=None, suppress_health_check=list(HealthCheck))  # x6 engines: 102
 @given(data=programs(), seed=st.integers(0, 2**16))
+# two repositions in a row: copies of copies, which must not run in the same re-rotation call
+@example(data=([[0]] * 6, {"drop": {"1": [0], "4": [1, 4]}, "reposition": [3, 4]}), seed=0)
 def test_random_programs_match_the_walk(engine, model, data, seed):
     segments, cache = data
     if not compiles(segments, cache):

@@ -151,13 +151,16 @@ class Scheduler:
         self.counters["decode_kv_entries"] += r.row_len
 
     def _schedule_prefill(self, r: Request, batch: ForwardBatch, budget: int) -> tuple[int, int]:
-        """The next entries to compute: copies first (re-rotations run before the forward), then computed
-        tokens up to the budget, stopping before the next copy (its source may be computed in this very
-        batch). A piece of queries is a run of consecutive entries of one segment; cached entries between
+        """The next entries to compute: copies first (re-rotations run before the forward, all at once, so
+        none may read another of the same step), then computed tokens up to the budget, stopping before the
+        next copy (its source may be computed in this very batch). A piece of queries is a run of consecutive entries of one segment; cached entries between
         them (a restore around holes) split pieces. Returns (new cursor, tokens computed)."""
         plan, todo, i = r.plan, r.todo, r.cursor
         is_copy = plan.source[todo[i:]] >= 0
         copies = todo[i : i + (int(np.argmin(is_copy)) if not is_copy.all() else len(is_copy))]
+        chained = np.nonzero(np.isin(plan.source[copies], copies))[0]
+        if len(chained):  # a copy of a copy made in this very call: the copies run at once, so wait a step
+            copies = copies[: chained[0]]
         if len(copies):
             sources = plan.source[copies]
             values = (
