@@ -65,25 +65,30 @@ def admission(r: Request, kv: KVCache) -> Admission:
     return Admission(pages, matched, retired, missing, todo, set(incomplete.tolist()), hits)
 
 
-def publishable(r: Request, page_size: int) -> list[PageKey | None]:
-    """Per page of r, the key to publish it under, or None (not complete, or not r's to give). Pages of
-    planned entries reuse the keys computed at planning; only pages reaching into decode entries hash."""
+def publishable(r: Request, page_size: int) -> tuple[dict[int, PageKey], list[int]]:
+    """r's own complete pages (allocated by r, every entry computed) with the keys to publish them under,
+    and the cached pages r held that no live key reads any more (dropped by r's own operations). Pages r
+    took from the cache are indexed already, so the hashing is proportional to what r computed, not to its
+    history. Planned pages reuse the keys of planning; only pages of decode entries are hashed here."""
     plan, ps = r.plan, page_size
     resolved = int(r.todo[r.cursor]) if r.cursor < len(r.todo) else r.num_entries
     known = sum(1 for t in r.decode_tokens if t < r.num_tokens)  # decode entries whose token is back
-    done = min(min(resolved, plan.size + known) // ps, len(r.pages)) * ps
-    live = np.zeros(done, dtype=bool)
-    keys = np.asarray(r.decode_keys, dtype=np.int64)
-    live[keys[keys < done]] = True
-    dead = (~live.reshape(-1, ps).any(axis=1)).tolist() if done else []
-    planned = min(len(r.page_keys), done // ps)
-    out = [PageKey(k.key, d) for k, d in zip(r.page_keys[:planned], dead)]
-    if done // ps > planned:  # pages with decode entries: chain on from the last planned page's key
+    done = min(min(resolved, plan.size + known) // ps, len(r.pages))  # pages before this are resolved
+    live = set(np.unique(np.asarray(r.decode_keys, dtype=np.int64) // ps).tolist())
+    held = np.nonzero(np.asarray(r.pages, dtype=np.int64) >= 0)[0].tolist()
+    fresh = set(r.fresh)
+    dead_cached = [r.pages[p] for p in held if p not in fresh and p not in live]
+    own = [p for p in r.fresh if p < done and p not in r.incomplete]
+    if not own:
+        return {}, dead_cached
+    keys = [k.key for k in r.page_keys[: min(len(r.page_keys), done)]]
+    planned = len(keys)
+    if done > planned:  # pages with decode entries: chain on from the last planned page's key
         decode = np.empty((known, 5), dtype=np.int64)
         decode[:, :2] = digest_words(plan.final_digest)
         decode[:, 2] = [r.token_at(t) for t in r.decode_tokens[:known]]
         decode[:, 3], decode[:, 4] = r.decode_positions[:known], -1
-        rows = np.concatenate([plan.records[planned * ps :], decode])[: done - planned * ps]
-        parent = r.page_keys[planned - 1].key if planned else None
-        out += page_keys(rows, ps, dead[planned:], parent=parent)
-    return [None if p in r.incomplete or r.pages[p] < 0 else key for p, key in enumerate(out)]
+        rows = np.concatenate([plan.records[planned * ps :], decode])[: (done - planned) * ps]
+        parent = keys[-1] if keys else None
+        keys += [k.key for k in page_keys(rows, ps, parent=parent)]
+    return {r.pages[p]: PageKey(keys[p], p not in live) for p in own}, dead_cached

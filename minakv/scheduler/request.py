@@ -59,6 +59,7 @@ class Request:
     cursor: int = 0  # todo[:cursor] are computed
     incomplete: set[int] = field(default_factory=set)  # pages with entries nobody reads, left uncomputed
     missing: list[int] = field(default_factory=list)  # indices of r.pages still to allocate (-1 there)
+    fresh: list[int] = field(default_factory=list)  # indices of r.pages r allocated (the rest: cached)
     decode_keys: list[int] = field(default_factory=list)  # entries the next generated token reads
     row: int = -1  # the request's row of the worker's key table (its decode keys on the device), or -1
     row_len: int = 0  # how many of decode_keys the row holds

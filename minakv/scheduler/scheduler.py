@@ -218,7 +218,8 @@ class Scheduler:
             if page is None:
                 self._preempt(self.running[-1])
             else:
-                r.pages[r.missing.pop()] = page
+                r.fresh.append(r.missing.pop())
+                r.pages[r.fresh[-1]] = page
 
     def _admit(self) -> list[Request]:
         failed = []
@@ -273,9 +274,10 @@ class Scheduler:
             self.waiting.remove(r)
         pages = [p for p in r.pages if p >= 0]
         if pages:
-            publish = publishable(r, self.page_size)
-            self.kv.release(pages, dict(zip((r.pages[p] for p in range(len(publish))), publish)))
-        r.pages, r.missing = [], []
+            publish, dead = publishable(r, self.page_size)
+            self.kv.retire(dead)
+            self.kv.release(pages, publish)
+        r.pages, r.missing, r.fresh = [], [], []
         if r.row >= 0:
             self.rows.append(r.row)
             r.row = -1
