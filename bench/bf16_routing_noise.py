@@ -16,7 +16,8 @@ import json
 import random
 
 import torch
-from engine_helpers import compiles, oracle_run, tiny_model
+from helpers.models import tiny_model
+from helpers.programs import compiles, oracle_run
 from test_engine_gpu import ENGINE_SHAPES, GREEDY, SOFTEN, bf16_copy
 
 from minakv import Engine

@@ -3,7 +3,7 @@
 Requests are decoded straight into typed structs, so a wrong type is rejected with the JSON path of the
 offending field (`decode_request`), which becomes the `param` of the OpenAI-style error body. Unknown
 fields are ignored, as OpenAI clients send fields minakv does not use. Cache operations ride along in the
-chat request in two spellings (see `ops.py`): the paper's `cache` object and AKV's `drop_message` /
+chat request in two spellings (see `cache_ops.py`): the paper's `cache` object and AKV's `drop_message` /
 `drop_rule` / `reposition` fields.
 """
 
@@ -156,7 +156,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    # cache operations (ops.py)
+    # cache operations (cache_ops.py)
     cache: CacheForm | None = None
     drop_message: dict[int, list[int]] | None = None
     drop_rule: DropRule | None = None
