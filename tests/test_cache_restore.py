@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minakv.cache.index import PageIndex
-from minakv.cache.plan import Plan, entries_to_compute, plan_request
+from minakv.cache.plan import Plan, entries_to_compute, needed_tokens, plan_request
 from minakv.cache.pool import PagePool
-from minakv.cache.program import compile_program
+from minakv.cache.program import NEVER, compile_program
 from minakv.ops.rope import apply_rope, rerotate
 from minakv.reference.oracle import WalkOracle
 from minakv.reference.segments import Segment, SegmentContext, StoredKV, segments
@@ -321,3 +321,39 @@ def test_two_sequences_in_one_batch():
         logits = model.compute_logits(model(torch.tensor(ids1 + ids2), ctx))
     torch.testing.assert_close(logits, torch.cat([r1.logits, r2.logits]), rtol=0, atol=1e-6)
     assert ctx.tokens(2).tolist() == [0, 1, 2, 3]
+
+
+def scan_needed(program, n: int) -> list[bool]:
+    """The definition, one token at a time from the end: t is needed if it is the last token, active at the
+    end, or read by a needed query q with t < q < visible_until[t]."""
+    until = program.drop_points(np.arange(n)).tolist()
+    needed, nearest = [False] * n, NEVER
+    for t in range(n - 1, -1, -1):
+        if t == n - 1 or until[t] == NEVER or nearest < until[t]:
+            needed[t], nearest = True, t
+    return needed
+
+
+def test_needed_tokens_by_runs_is_the_token_scan():
+    rng = random.Random(0)
+    checked = 0
+    while checked < 400:
+        m = rng.randint(1, 9)
+        lengths = [rng.randint(0, 4) for _ in range(m)]
+        owners = [i for i, n in enumerate(lengths) for _ in range(n)]
+        drop = {
+            str(t): sorted(rng.sample(range(t + 1), rng.randint(1, t + 1)))
+            for t in range(m)
+            if rng.random() < 0.4
+        }
+        try:
+            program = compile_program(
+                owners, m, drop, sorted(rng.sample(range(m), rng.randint(0, min(2, m))))
+            )
+        except ValueError:
+            continue
+        if not owners:
+            continue
+        n = len(owners) + rng.randint(0, 3)  # generated tokens too
+        assert needed_tokens(program, n).tolist() == scan_needed(program, n), (lengths, drop)
+        checked += 1

@@ -69,16 +69,27 @@ class Plan:
 
 
 def needed_tokens(program: Program, num_tokens: int) -> np.ndarray:
-    """Boolean mask: must token t be computed? (Backward scan: t is needed if the last token, active at
-    the end, or read by a needed query q with t < q < visible_until[t].)"""
-    until = program.drop_points(np.arange(num_tokens)).tolist()
-    needed = [False] * num_tokens
-    nearest = NEVER  # smallest needed index seen so far (all are > t)
-    for t in range(num_tokens - 1, -1, -1):
-        if t == num_tokens - 1 or until[t] == NEVER or nearest < until[t]:
-            needed[t] = True
-            nearest = t
-    return np.asarray(needed, dtype=bool)
+    """Boolean mask: must token t be computed? It is if it is the last token, active at the end, or read by
+    a needed query q with t < q < visible_until[t]. A run of dropped tokens that leave attention at the
+    same point shares one answer (each is read by the next one, itself inside the window), so the runs are
+    decided from the last one back, each by the nearest needed token after it: one step per run."""
+    until = program.drop_points(np.arange(num_tokens))
+    needed = until == NEVER
+    needed[num_tokens - 1] = True
+    always = np.nonzero(needed)[0]
+    dropped = np.nonzero(~needed)[0]
+    if not len(dropped):
+        return needed
+    breaks = np.nonzero((np.diff(dropped) != 1) | (np.diff(until[dropped]) != 0))[0] + 1
+    nearest = NEVER  # the first token of the latest run found needed (runs are visited backwards)
+    for run in reversed(np.split(dropped, breaks)):
+        last = int(run[-1])
+        k = int(np.searchsorted(always, last, side="right"))
+        after = min(int(always[k]) if k < len(always) else NEVER, nearest)
+        if after < until[last]:
+            needed[run] = True
+            nearest = int(run[0])
+    return needed
 
 
 def _event_digest(prev: bytes, program: Program, point: int) -> bytes:
