@@ -103,7 +103,7 @@ class Scheduler:
         """Apply a step's sampled tokens (in sample-row order); returns the requests with news for their
         callers (new tokens, or finished)."""
         changed, self.failed = self.failed, []
-        for (r, _), token, logprob in zip(batch.scheduled, result.tokens, result.logprobs):
+        for r, token, logprob in zip(batch.scheduled, result.tokens, result.logprobs):
             r.pending -= 1
             if r.status is Status.FINISHED:  # ended while this step ran (abort, or a token of the last step)
                 continue
@@ -196,7 +196,7 @@ class Scheduler:
         batch.sample_params.append(r.params)
         batch.sample_seeds.append(r.seed)
         batch.sample_counters.append(len(r.output_ids) + r.pending)
-        batch.scheduled.append((r, True))
+        batch.scheduled.append(r)
         r.pending += 1
 
     def _slot(self, r: Request, entry: int) -> int:
@@ -227,9 +227,9 @@ class Scheduler:
         # rest is planned during later steps, while the device computes these)
         queued = sum(len(r.todo) - r.cursor for r in self.running)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            if queued >= self.config.max_num_batched_tokens:
-                break
             r = self.waiting[0]
+            if queued >= self.config.max_num_batched_tokens or r.pending:
+                break  # (a request preempted just now may still have a token on the device: plan it after)
             if r.plan is None:
                 self._plan(r)
             a = admission(r, self.kv)

@@ -57,8 +57,8 @@ class ForwardBatch:
     sample_params: list[SamplingParams] = field(default_factory=list)
     sample_seeds: list[int] = field(default_factory=list)
     sample_counters: list[int] = field(default_factory=list)
-    # the scheduler's own note, which the worker never reads: (request, samples?)
-    scheduled: list[tuple[Any, bool]] = field(default_factory=list)
+    # the scheduler's own note, which the worker never reads: the request of each sample row
+    scheduled: list[Any] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
