@@ -225,7 +225,7 @@ class Scheduler:
         failed = []
         # prefill work already admitted: planning more than the next step can compute only delays it (the
         # rest is planned during later steps, while the device computes these)
-        queued = sum(len(r.todo) - r.cursor for r in self.running)
+        queued = sum(self._tokens_left(r) for r in self.running)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             r = self.waiting[0]
             if queued >= self.config.max_num_batched_tokens or r.pending:
@@ -253,8 +253,13 @@ class Scheduler:
             r.status = Status.RUNNING
             self.running.append(r)
             self._ensure_pages(r, r.num_entries)
-            queued += len(r.todo)
+            queued += self._tokens_left(r)
         return failed
+
+    @staticmethod
+    def _tokens_left(r: Request) -> int:
+        """Tokens r still has to compute (re-rotation copies are not forward work)."""
+        return int(np.count_nonzero(r.plan.source[r.todo[r.cursor :]] < 0))
 
     def _plan(self, r: Request) -> None:
         """Plan the entries of r's tokens so far (the prompt, plus any output before a preemption)."""
