@@ -92,3 +92,50 @@ def test_seeded_request_is_identical_alone_and_in_any_batch(model):
         assert outputs(model, batch, batch_params)[at] == alone
     different = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1235, ignore_eos=True)
     assert outputs(model, [target], [different])[0] != alone
+
+
+def run_agents(engine, rounds: int, keep: int = 2, tool: int = 48, turn: int = 4):
+    """Two agents that drop old tool results and reposition every round (the kv_drop policy); yields after
+    each round with the engine's counters before and after it."""
+    rng = np.random.default_rng(1)
+    agents = [[rng.integers(0, 500, 40).tolist(), rng.integers(0, 500, 8).tolist()] for _ in range(2)]
+    params = SamplingParams(max_tokens=turn, temperature=0, ignore_eos=True)
+    for r in range(rounds):
+        for a in agents:
+            a.append(rng.integers(0, 500, tool).tolist())  # tool result j sits at message 2 + 2j
+        n = r + 1
+        cache = {"drop": {str(2 + 2 * j): [2 + 2 * (j - keep)] for j in range(keep, n)},
+                 "reposition": [2 + 2 * j for j in range(keep, n)]}  # fmt: skip
+        before = engine.stats()
+        outs = engine.generate([{"message_tokens": a, "cache": cache} for a in agents], params)
+        engine.check()
+        yield r, before, engine.stats()
+        for a, o in zip(agents, outs):
+            a.append(o.token_ids)
+
+
+def test_repositioning_agents_compute_only_their_new_tokens_under_eviction(model):
+    """Each round computes only the new tool result and the last turn, even when the pool is too small to
+    keep every old stage: superseded stages are not recomputed, and they go first when pages run out."""
+    engine = Engine(model, kv_cache_tokens=700, page_size=4, max_num_batched_tokens=4096)
+    for r, before, after in run_agents(engine, 9):
+        new = 48 + (48 if r == 0 else 4)  # the tool result; the system and user messages, or the last turn
+        assert after["prefill_tokens"] - before["prefill_tokens"] == 2 * new, r
+        assert after["preemptions"] == 0
+    assert engine.stats()["evictions"] > 0  # the pool was too small to keep everything
+
+
+def test_repositioning_agents_hold_only_what_they_read(model, monkeypatch):
+    """With room to keep every old stage cached, a round still holds only the pages its queries read: the
+    pages a request takes from the cache grow with its live state, not with its history of stages."""
+    engine = Engine(model, kv_cache_tokens=20000, page_size=4, max_num_batched_tokens=4096)
+    held: list[int] = []
+    acquire = engine.scheduler.kv.acquire
+    monkeypatch.setattr(
+        engine.scheduler.kv, "acquire", lambda pages: held.append(len(pages)) or acquire(pages)
+    )
+    per_round = []
+    for _ in run_agents(engine, 10):
+        per_round.append(max(held[-2:]))
+    # live state grows by the kept turns (about a page a round); every old stage would add ~40 pages
+    assert engine.stats()["evictions"] == 0 and per_round[-1] - per_round[4] <= 2 * 5, per_round
