@@ -3,7 +3,8 @@
     engine = Engine("tiny-gpt-oss")
     outs = engine.generate(["Hello", [1, 2, 3], {"message_tokens": [[...], [...]], "cache": {"drop": {"1": [0]}}}])
 
-One step is `scheduler.schedule()` -> `worker.step(batch)` -> `scheduler.update(batch, result)`.
+One step is `scheduler.schedule()` -> `worker.launch(batch)` -> `scheduler.update(...)` of the step before,
+so the host prepares step N + 1 while the device runs step N (`overlap=False`: of the same step).
 `generate` drives steps synchronously. `stream` (async) hands requests to a background thread that
 steps the scheduler whenever there is work, and delivers increments back to the event loop. Requests enter
 the scheduler through an inbox, so the scheduler itself is only ever touched by one thread at a time.

@@ -4,7 +4,7 @@ The engine drives one step as three calls, as nano-vllm's `LLMEngine` and vLLM's
 
     batch = scheduler.schedule()     admit waiting requests, build one ForwardBatch (decode tokens first,
                                      then prefill chunks under the token budget)
-    result = worker.step(batch)      the forward and the sampled tokens
+    worker.launch(batch)             the forward and the sampled tokens (collected one step later)
     changed = scheduler.update(batch, result)   apply the tokens, finish requests
 
 Finished requests publish their full pages to the cache index, so a later request with the same history
