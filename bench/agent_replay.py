@@ -51,7 +51,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,8 +62,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import Log
 from e2e_decode import DEVICE, build_ours, configs
+from host_sampler import print_samples, sample_thread
 
 from minakv import Engine, SamplingParams
+from minakv.worker.worker import Launched, StepResult
 
 MODES = ("plain", "kv_drop", "text_drop")
 MAX_TOKEN_ID = 199998  # random ids stay below gpt-oss's special tokens
@@ -302,6 +304,18 @@ def latency(records: list[RoundRecord]) -> dict:
 # ----- one mode -----
 
 
+class HostOnlyWorker:
+    """--host-only: a worker that computes nothing and samples token 1 for every row, so the replay's wall
+    time is the host's work alone (scheduling, planning, admission, bookkeeping, the agents' asyncio)."""
+
+    def launch(self, batch) -> Launched:
+        return Launched(None, None, batch.sample_params, len(batch.sample_rows))
+
+    def collect(self, launched: Launched) -> StepResult:
+        n = launched.max_logprobs
+        return StepResult([1] * n, [None] * n)
+
+
 def warm_up(engine: Engine, args: argparse.Namespace, vocab: int) -> None:
     """Compile kernels and capture graphs: C short concurrent requests with a drop and a reposition."""
     rng = np.random.default_rng(12345)
@@ -327,14 +341,19 @@ def run_mode(model, mode: str, args: argparse.Namespace, kv_tokens: int | None, 
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    if args.host_only:
+        engine.worker = HostOnlyWorker()
     warm_up(engine, args, vocab)
     agents = make_agents(args.agents, args.rounds, args, vocab, args.data_seed)
     stats0 = engine.stats()
     start = time.perf_counter()
     records = asyncio.run(run_agents(engine, agents, range(args.rounds - 1), args))
     stats1 = engine.stats()
-    with profiled(not args.no_profile) as prof:
+    sampler = sample_thread(engine._thread) if args.sample_host else nullcontext({})
+    with profiled(not args.no_profile) as prof, sampler as host:
         last = asyncio.run(run_agents(engine, agents, range(args.rounds - 1, args.rounds), args))
+    if host:
+        print_samples(host, f"{mode}, last round")
     wall = time.perf_counter() - start
     stats2 = engine.stats()
     records += last
@@ -353,7 +372,7 @@ def run_mode(model, mode: str, args: argparse.Namespace, kv_tokens: int | None, 
         "usage": usage_sums(records), "last_round_usage": usage_sums(last),
         "engine": counters_delta(stats0, stats2), "last_round_engine": counters_delta(stats1, stats2),
         "gpu_busy_last_round": prof["gpu_busy"], "gpu_kernel_sum_fraction_last_round":
-        prof["gpu_kernel_sum_fraction"],
+        prof["gpu_kernel_sum_fraction"], "engine_thread_last_round": host or None,
     }  # fmt: skip
     log.add("agent_replay", **row)
     del engine
@@ -423,6 +442,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-profile", action="store_true", help="do not profile the last round")
+    p.add_argument("--sample-host", action="store_true", help="sample the engine thread in the last round")
+    p.add_argument("--host-only", action="store_true", help="no model compute: time the host's work alone")
     args = p.parse_args(argv)
     for name, (full, tiny) in SIZES.items():
         if getattr(args, name) is None:

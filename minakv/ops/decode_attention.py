@@ -135,15 +135,15 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_WINDOW=window is not None, ASCENDING=ascending,
+        HAS_WINDOW=window is not None, ASCENDING=ascending,
         F32_DOT=q.dtype == torch.float32 or interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     sinks_arg = sinks if sinks is not None else part_ml  # any pointer; unused without sinks
     _decode_merge_kernel[(batch, num_heads)](
-        part_acc, part_ml, sinks_arg, out, out.stride(0), out.stride(1),
+        part_acc, part_ml, sinks_arg, out, out.stride(0), out.stride(1), num_splits,
         D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         HAS_SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip
     return out
@@ -171,12 +171,14 @@ def _decode_split_kernel(
     scale_log2, window, keys_per_split,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, ASCENDING: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, ASCENDING: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
+    # The split count is the grid's third size, not a compile-time constant: it changes with batch size
+    # and key count, and a constant would compile a new kernel for each value in the middle of serving.
     kv_head = tl.program_id(0)  # fastest: the KV heads of one key row are read together
     b = tl.program_id(1)
     split = tl.program_id(2)
+    NUM_SPLITS = tl.num_programs(2)
     start = tl.load(start_ptr + b)
     end = tl.load(end_ptr + b)
     if HAS_WINDOW and ASCENDING:  # the last `window` keys hold every visible one (window_start)
@@ -237,8 +239,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    acc_ptr, ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh,
-    D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    acc_ptr, ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh, NUM_SPLITS,
+    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
