@@ -10,7 +10,7 @@ Eviction is the index's: pages only the index holds, dropped-only pages first, t
 from __future__ import annotations
 
 from minakv.cache.index import PageIndex
-from minakv.cache.keys import PageKey, page_keys
+from minakv.cache.keys import PageKey
 from minakv.cache.pool import PagePool
 
 
@@ -25,11 +25,6 @@ class KVCache:
     @property
     def num_pages(self) -> int:
         return self.pool.num_pages
-
-    def keys(self, records, dead=None) -> list[PageKey]:
-        """Chained keys of the full pages of `records` ([E, 5] rows; `dead[p]`: page p holds only
-        entries no live key reads)."""
-        return page_keys(records, self.page_size, dead)
 
     def match(self, keys: list[PageKey]) -> list[int | None]:
         """Per key, the cached page with exactly that content, or None. It does not stop at a missing

@@ -22,7 +22,8 @@ from functools import cached_property
 
 import numpy as np
 
-from minakv.cache.keys import digest_words, hash_parts
+from minakv.cache.keys import PageKey, digest_words, hash_parts, page_keys
+from minakv.cache.plan_memo import PlanMemo, Snapshot, cut_digests
 from minakv.cache.program import NEVER, Program
 
 
@@ -55,6 +56,7 @@ class Plan:
     final_digest: bytes = b""  # events so far, for records of decode entries
     num_skipped: int = 0  # tokens never computed because no query reads them
     num_copies: int = 0
+    keys: list[PageKey] | None = None  # page keys, when planned with a memo (it knows the page size)
 
     @property
     def size(self) -> int:
@@ -92,12 +94,10 @@ def needed_tokens(program: Program, num_tokens: int) -> np.ndarray:
     return needed
 
 
-def _event_digest(prev: bytes, program: Program, point: int) -> bytes:
+def _event_text(program: Program, point: int) -> bytes:
+    """The events just before token `point`, as bytes for digests (empty if none)."""
     ranges, repos = program.events_at(point)
-    if not ranges and not repos:
-        return prev
-    text = f"@{point}:drop{ranges}:repos{repos}".encode()
-    return hash_parts(prev, text)
+    return f"@{point}:drop{ranges}:repos{repos}".encode() if ranges or repos else b""
 
 
 class _Builder:
@@ -122,22 +122,49 @@ class _Builder:
         self.current_pos[tokens] = positions
         self.size += k
 
+    def snapshot(self, point: int, blocks, segment_keys, segment_start, copies: int) -> Snapshot:
+        """The state before the events at `point` (keys are filled in once the plan's are known)."""
+        return Snapshot(
+            point, self.size, self.digest, self.current[:point].copy(), self.current_pos[:point].copy(),
+            list(self.parts), list(blocks), list(segment_keys), list(segment_start), copies, [],
+        )  # fmt: skip
 
-def plan_request(program: Program, token_ids: list[int]) -> Plan:
-    """Plan the entries for tokens [0, T) plus the events right before token T (the first to generate)."""
+    def resume(self, snap: Snapshot) -> None:
+        self.parts, self.size, self.digest = list(snap.parts), snap.size, snap.digest
+        self.current[: snap.point] = snap.current
+        self.current_pos[: snap.point] = snap.current_pos
+
+
+def plan_request(program: Program, token_ids: list[int], memo: PlanMemo | None = None) -> Plan:
+    """Plan the entries for tokens [0, T) plus the events right before token T (the first to generate).
+    With a memo, start from the latest snapshot of an earlier plan that agrees with this one up to its
+    point, leave a snapshot at this plan's last cut, and compute the page keys (`Plan.keys`)."""
     n = len(token_ids)
+    ids = np.asarray(token_ids, dtype=np.int64)
     needed = needed_tokens(program, n)
     births = program.birth_positions(np.arange(n))
     stage_starts = set(program.stage_starts[1:].tolist())
-    cuts = sorted(set(program.drop_ranges) | stage_starts | {0})
-    b = _Builder(n, np.asarray(token_ids, dtype=np.int64))
+    cuts = sorted(c for c in set(program.drop_ranges) | stage_starts | {0} if c <= n)
+    texts = [_event_text(program, c) for c in cuts]
+    b = _Builder(n, ids)
     blocks, segment_keys, segment_start, copies = [], [], [], 0
+    digests = cut_digests(ids, needed, cuts, texts) if memo is not None else []
+    found = memo.find(digests) if memo is not None else None
+    if found is not None:
+        snap = found[1]
+        b.resume(snap)
+        blocks, segment_keys, segment_start = (
+            list(snap.blocks),
+            list(snap.segment_keys),
+            list(snap.segment_start),
+        )
+        copies = snap.copies
 
-    def enter(point: int) -> None:
+    def enter(point: int, text: bytes) -> None:
         """Apply the events right before token `point`: drops change nothing physical; a reposition
         copies each computed survivor whose position changes into a fresh entry."""
         nonlocal copies
-        b.digest = _event_digest(b.digest, program, point)
+        b.digest = hash_parts(b.digest, text) if text else b.digest
         if point in stage_starts:
             stage = int(np.searchsorted(program.stage_starts, point))
             survivors = program.survivors[stage]
@@ -149,10 +176,17 @@ def plan_request(program: Program, token_ids: list[int]) -> Plan:
                 blocks.append((first, b.size, -1))
                 copies += int(moved.sum())
 
-    for point, end in zip(cuts, [*cuts[1:], n]):
+    snapshot = None
+    for i, (point, end) in enumerate(zip(cuts, [*cuts[1:], n])):
+        if found is not None and point < found[1].point:
+            continue
+        if memo is not None and i == len(cuts) - 1 and point > 0:  # the last cut: leave a snapshot
+            snapshot = b.snapshot(point, blocks, segment_keys, segment_start, copies)
+        if point == n:  # the last token's born entry, before a reposition right after it copies it
+            last_entry = int(b.current[n - 1])
+        enter(point, texts[i])
         if point >= n:
             break
-        enter(point)
         born = np.nonzero(needed[point:end])[0] + point
         if not len(born):
             continue
@@ -163,17 +197,25 @@ def plan_request(program: Program, token_ids: list[int]) -> Plan:
         first = b.size
         b.add(born, births[born], len(segment_keys) - 1, np.full(len(born), -1, np.int64))
         blocks.append((first, b.size, len(segment_keys) - 1))
-    last_entry = int(b.current[n - 1])  # its born entry (a reposition right after may copy it)
-    if n in program.drop_ranges or n in stage_starts:
-        enter(n)
+    if cuts[-1] < n:
+        last_entry = int(b.current[n - 1])
     final = np.concatenate([program.final_active, np.arange(program.num_tokens, n, dtype=np.int64)])
     final_entries = b.current[final]
     columns = [np.concatenate(c) for c in zip(*b.parts)] if b.parts else [np.zeros(0, np.int64)] * 5
     token, position, segment, source, records = columns
-    return Plan(
+    plan = Plan(
         token, position, segment, source, records.reshape(-1, 5), blocks, segment_keys, segment_start,
         last_entry, final_entries[final_entries >= 0], b.digest, int((~needed).sum()), copies,
     )  # fmt: skip
+    if memo is not None:
+        ps = memo.page_size
+        known = found[1].keys if found is not None else []
+        parent = known[-1].key if known else None
+        plan.keys = known + page_keys(plan.records[len(known) * ps :], ps, parent=parent)
+        if snapshot is not None:
+            snapshot.keys = plan.keys[: snapshot.size // ps]
+            memo.store(digests[-1], snapshot)
+    return plan
 
 
 def entries_to_compute(plan: Plan, have: np.ndarray) -> np.ndarray:

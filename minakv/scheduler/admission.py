@@ -59,10 +59,11 @@ def admission(r: Request, kv: KVCache) -> Admission:
     computed[todo] = True
     needs = np.zeros(num_pages, dtype=bool)
     needs[todo // ps] = True
-    incomplete = np.unique(np.nonzero(~have & ~computed)[0] // ps)
+    incomplete = np.zeros(num_pages, dtype=bool)
+    incomplete[np.nonzero(~have & ~computed)[0] // ps] = True  # (a mask, not np.unique: no sort)
     matched = [p for p in pages if p >= 0]
     missing = np.nonzero(needs & ~have_page)[0].tolist()
-    return Admission(pages, matched, retired, missing, todo, set(incomplete.tolist()), hits)
+    return Admission(pages, matched, retired, missing, todo, set(np.nonzero(incomplete)[0].tolist()), hits)
 
 
 def publishable(r: Request, page_size: int) -> tuple[dict[int, PageKey], list[int]]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from minakv.cache.kvcache import KVCache
 from minakv.cache.plan import plan_request
+from minakv.cache.plan_memo import PlanMemo
 from minakv.config import EngineConfig
 from minakv.scheduler.admission import admission, publishable
 from minakv.scheduler.request import Request, Status
@@ -38,6 +39,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.page_size = config.page_size
         self.kv = KVCache(num_pages, config.page_size, config.enable_prefix_cache)
+        self.plans = PlanMemo(config.page_size)  # an agent's next round plans only what is new
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.rows = list(range(config.max_num_seqs))[::-1]  # free rows of the worker's key table
@@ -264,9 +266,9 @@ class Scheduler:
     def _plan(self, r: Request) -> None:
         """Plan the entries of r's tokens so far (the prompt, plus any output before a preemption)."""
         tokens = r.all_ids
-        r.plan = plan = plan_request(r.program, tokens)
+        r.plan = plan = plan_request(r.program, tokens, self.plans)
         r.decode_tokens, r.decode_positions = [], []
-        r.page_keys = self.kv.keys(plan.records)
+        r.page_keys = plan.keys
         r.decode_keys = plan.final_keys.tolist()
         r.next_pos = int(r.program.birth_positions([len(tokens)])[0])
         r.usage.drop_skipped_tokens = plan.num_skipped
