@@ -14,7 +14,6 @@ import asyncio
 import hmac
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -23,7 +22,7 @@ from aiohttp import web
 from minakv.engine import Engine
 from minakv.server import output, prompts
 from minakv.server.cache_ops import has_cache_ops
-from minakv.server.metrics import prometheus_text
+from minakv.server.metrics import CONTENT_TYPE, ServerMetrics
 from minakv.server.protocol import (
     ChatChoice,
     ChatCompletion,
@@ -52,10 +51,11 @@ from minakv.server.running import (
     usage_info,
     write_stream_error,
 )
+from minakv.server.tracking import Trace
 
 ENGINE = web.AppKey("engine", Engine)
 SETTINGS = web.AppKey("settings", dict)
-COUNTS = web.AppKey("counts", Counter)
+METRICS = web.AppKey("metrics", ServerMetrics)
 JSON = "application/json"
 log = logging.getLogger("minakv.server")
 
@@ -65,20 +65,29 @@ def make_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_body_bytes: int = 32 << 20,
+    log_prompts: bool = False,
 ) -> web.Application:
     """The server for `engine`. `served_model_name` is the name clients must send as `model` (the model
-    argument is accepted too); with `api_key`, /v1 routes need `Authorization: Bearer <api_key>`."""
+    argument is accepted too); with `api_key`, /v1 routes need `Authorization: Bearer <api_key>`; with
+    `log_prompts`, each request's log line carries its prompt."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_and_auth])
     names = [served_model_name or engine.model_name]
     app[ENGINE] = engine
-    app[SETTINGS] = {"names": names, "accepted": {*names, engine.model_name}, "api_key": api_key}
-    app[COUNTS] = Counter()
+    app[SETTINGS] = {"names": names, "accepted": {*names, engine.model_name}, "api_key": api_key,
+                     "log_prompts": log_prompts}  # fmt: skip
+    app[METRICS] = ServerMetrics(engine, names[0])
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def new_trace(request: web.Request, request_id: str, arrival: float, prompt: object) -> Trace:
+    """The metrics and the log line of one request; the prompt is kept only to be logged."""
+    logged = prompt if request.app[SETTINGS]["log_prompts"] else None
+    return Trace(request_id, arrival, request.app[METRICS], logged)
 
 
 def error_response(err: RequestError) -> web.Response:
@@ -90,7 +99,6 @@ async def errors_and_auth(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """API-key check for /v1 routes, and every failure as an OpenAI-style JSON error body."""
-    counts = request.app[COUNTS]
     try:
         key = request.app[SETTINGS]["api_key"]
         if key is not None and request.path.startswith("/v1/"):
@@ -113,7 +121,7 @@ async def errors_and_auth(
         log.exception("error while handling %s", request.path)
         response = error_response(RequestError(f"internal error: {e!r}", status=500, type="server_error"))
     info = request.match_info.route.resource
-    counts[(info.canonical if info is not None else "other", response.status)] += 1
+    request.app[METRICS].count_response(info.canonical if info is not None else "other", response.status)
     return response
 
 
@@ -122,6 +130,7 @@ async def errors_and_auth(
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
     body = await request.read()
     req: ChatCompletionRequest = decode_request(body, ChatCompletionRequest)
@@ -143,7 +152,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         except ValueError as e:
             raise bad_prompt(e, "messages") from None
     rid, created, model = new_id("chatcmpl"), int(time.time()), settings["names"][0]
-    stream, first = await start(engine, prompt, params, rid, ops, "messages")
+    trace = new_trace(request, rid, arrival, prompt)
+    stream, first = await start(engine, prompt, params, rid, ops, "messages", trace)
     with_usage = has_cache_ops(req) or bool(req.stream_options and req.stream_options.include_usage)
     done = False
     try:
@@ -192,6 +202,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
     req: CompletionRequest = decode_request(await request.read(), CompletionRequest)
     prompts.check_common(req, settings["accepted"])
@@ -199,7 +210,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt = prompts.completion_prompt(req)
     params = prompts.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
     rid, created, model = new_id("cmpl"), int(time.time()), settings["names"][0]
-    stream, first = await start(engine, prompt, params, rid, None, "prompt")
+    trace = new_trace(request, rid, arrival, prompt)
+    stream, first = await start(engine, prompt, params, rid, None, "prompt", trace)
     lps = output.CompletionLogprobsBuilder(engine) if req.logprobs is not None else None
     done = False
     try:
@@ -260,6 +272,5 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    stats = await asyncio.to_thread(request.app[ENGINE].stats)
-    body = prometheus_text(stats, request.app[COUNTS]).encode()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    body = await asyncio.to_thread(request.app[METRICS].render)  # engine.stats() may wait for a step
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -17,6 +17,7 @@ from minakv.outputs import RequestOutput
 from minakv.params import SamplingParams
 from minakv.server.cache_ops import CacheOps
 from minakv.server.protocol import PromptTokensDetails, RequestError, UsageInfo, error_body
+from minakv.server.tracking import Trace, traced
 
 FIELD = re.compile(r"^((?:messages|tools)(?:\[\d+\])?(?:\.\w+|\[\d+\])*)")
 ENGINE_FAILED = "the engine failed while running this request; see the server log"
@@ -39,9 +40,13 @@ async def start(
     request_id: str,
     ops: CacheOps | None,
     prompt_param: str,
+    trace: Trace | None = None,
 ) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-    """Submit and wait for the first increment; engine-side validation errors become 400, a full queue 503."""
+    """Submit and wait for the first increment; engine-side validation errors become 400, a full queue 503.
+    With a `trace`, the stream reports every increment to it, and closing the stream ends it."""
     stream = engine.stream(prompt, params, request_id=request_id)
+    if trace is not None:
+        stream = traced(stream, trace)
     try:
         first = await stream.__anext__()
     except asyncio.CancelledError:  # the client left while the request waited for its first token
@@ -61,7 +66,11 @@ async def start(
         raise RequestError(f"invalid cache operation: {text}", param) from None
     except ValueError as e:
         raise bad_prompt(e, prompt_param) from None
-    check_failed(first)  # failed before its first token: still a plain HTTP error, streamed or not
+    # failed before its first token: still a plain HTTP error, streamed or not (the stream is closed first,
+    # so its trace ends now rather than whenever the stream is collected)
+    if first.finish_reason == "error":
+        await stream.aclose()  # type: ignore[attr-defined]
+    check_failed(first)
     return stream, first
 
 

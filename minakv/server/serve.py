@@ -47,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (MiB)")
+    p.add_argument(
+        "--log-prompts", action="store_true", help="put each request's prompt in its log line (default: not)"
+    )
     return p
 
 
@@ -71,7 +74,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"minakv serve: {e}", file=sys.stderr)
         return 2
-    app = make_app(engine, args.served_model_name, args.api_key, int(args.max_body_mb * (1 << 20)))
+    app = make_app(
+        engine, args.served_model_name, args.api_key, int(args.max_body_mb * (1 << 20)), args.log_prompts
+    )
     print(
         f"minakv: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}",
         flush=True,
