@@ -317,11 +317,14 @@ class HostOnlyWorker:
 
 
 def warm_up(engine: Engine, args: argparse.Namespace, vocab: int) -> None:
-    """Compile kernels and capture graphs: C short concurrent requests with a drop and a reposition."""
+    """Compile kernels, capture graphs and let the allocators grow: C concurrent requests of a round's size
+    (a tool result among short messages) with a drop and a reposition, so the first mode measured pays no
+    one-time costs the others skip."""
     rng = np.random.default_rng(12345)
     hi = min(vocab, MAX_TOKEN_ID)
+    lengths = (args.system_tokens, args.tool_tokens, args.assistant_tokens, args.user_tokens)
     prompts = [
-        {"message_tokens": [rng.integers(0, hi, n).tolist() for n in (40, 24, 40)],
+        {"message_tokens": [rng.integers(0, hi, n).tolist() for n in lengths],
          "cache": {"drop": {"2": [1]}, "reposition": [2]}}
         for _ in range(args.agents)
     ]  # fmt: skip

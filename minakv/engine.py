@@ -209,7 +209,7 @@ class Engine:
         (overlap: the host prepares step N + 1 while the device runs step N; without it, of this very step).
         Returns the requests with news (new tokens, or finished). Only one thread steps at a time."""
         batch = self.scheduler.schedule()
-        step = (batch, self.worker.launch(batch)) if batch.num_tokens or batch.rerotate[0] else None
+        step = (batch, self.worker.launch(batch)) if batch.num_tokens or batch.num_copies else None
         previous, self._inflight = self._inflight, step
         changed = self.scheduler.update(previous[0], self.worker.collect(previous[1])) if previous else []
         if not self.config.overlap:

@@ -64,14 +64,18 @@ def agent_round(r: int, keep: int = 2, tool: int = 12) -> tuple[list[int], list[
 
 def test_an_agents_next_round_resumes_at_its_last_cut() -> None:
     memo = PlanMemo(page_size=4)
+    previous = None
     for r in range(1, 9):
         owners, ids, drop, reposition = agent_round(r)
         program = compile_program(owners, len(set(owners)), drop, reposition)
         before = memo.hits
         resumed = plan_request(program, ids, memo)
         assert_same(resumed, plan_request(program, ids), 4)
-        if r > 3:  # rounds with operations: round r resumes where round r - 1 stopped
+        if r > 3:  # rounds with operations: round r resumes where round r - 1 stopped ...
             assert memo.hits == before + 1
+            # ... and appends to its entry columns in place (round r - 1 ended at its cut), no copy
+            assert np.shares_memory(resumed.records, previous.records)
+        previous = resumed
     # another agent's history (other tokens) shares nothing
     owners, ids, drop, reposition = agent_round(8)
     other = [t + 1 for t in ids]

@@ -100,12 +100,46 @@ def _event_text(program: Program, point: int) -> bytes:
     return f"@{point}:drop{ranges}:repos{repos}".encode() if ranges or repos else b""
 
 
+class _Columns:
+    """The entry columns (token, position, segment, source, records) in arrays with room to grow. A plan
+    resumed from a snapshot appends to the columns in place when nothing was appended after the snapshot
+    (an agent's next round after its last), so it costs what is new, not a copy of the whole history."""
+
+    def __init__(self, capacity: int) -> None:
+        self.cols = [np.empty(capacity, np.int64) for _ in range(4)] + [np.empty((capacity, 5), np.int64)]
+        self.length = 0
+
+    def claim(self, size: int) -> _Columns:
+        """Columns to append to after entry `size`: these, unless someone appended past it already."""
+        if self.length == size:
+            return self
+        other = _Columns(max(2 * size, 1024))
+        for mine, theirs in zip(other.cols, self.cols):
+            mine[:size] = theirs[:size]
+        other.length = size
+        return other
+
+    def append(self, *values: np.ndarray) -> None:
+        n, k = self.length, len(values[0])
+        if n + k > len(self.cols[0]):  # grow by doubling; plans holding views keep the old arrays
+            bigger = _Columns(max(2 * (n + k), 1024))
+            for new, old in zip(bigger.cols, self.cols):
+                new[:n] = old[:n]
+            self.cols = bigger.cols
+        for col, value in zip(self.cols, values):
+            col[n : n + k] = value
+        self.length = n + k
+
+    def view(self, size: int) -> list[np.ndarray]:
+        return [col[:size] for col in self.cols]
+
+
 class _Builder:
     """Appends blocks of entries; `current[t]` is token t's latest entry (born, or a copy), -1 if none."""
 
     def __init__(self, n: int, token_ids: np.ndarray) -> None:
         self.ids = token_ids
-        self.parts: list[tuple[np.ndarray, ...]] = []
+        self.columns = _Columns(max(2 * n, 1024))
         self.size = 0
         self.current = np.full(n, -1, dtype=np.int64)
         self.current_pos = np.zeros(n, dtype=np.int64)
@@ -117,20 +151,21 @@ class _Builder:
         rows = np.empty((k, 5), dtype=np.int64)
         rows[:, :2] = digest_words(self.digest)
         rows[:, 2], rows[:, 3], rows[:, 4] = self.ids[tokens], positions, src_pos
-        self.parts.append((tokens, positions, np.full(k, segment, np.int64), sources, rows))
+        self.columns.append(tokens, positions, np.full(k, segment, np.int64), sources, rows)
         self.current[tokens] = np.arange(self.size, self.size + k)
         self.current_pos[tokens] = positions
         self.size += k
 
-    def snapshot(self, point: int, blocks, segment_keys, segment_start, copies: int) -> Snapshot:
-        """The state before the events at `point` (keys are filled in once the plan's are known)."""
+    def snapshot(self, point: int, last_born: int, blocks, segment_keys, segment_start, copies) -> Snapshot:
+        """The state after the events at `point` (keys are filled in once the plan's are known)."""
         return Snapshot(
-            point, self.size, self.digest, self.current[:point].copy(), self.current_pos[:point].copy(),
-            list(self.parts), list(blocks), list(segment_keys), list(segment_start), copies, [],
+            point, last_born, self.size, self.digest, self.current[:point].copy(),
+            self.current_pos[:point].copy(), self.columns, list(blocks), list(segment_keys),
+            list(segment_start), copies, [],
         )  # fmt: skip
 
     def resume(self, snap: Snapshot) -> None:
-        self.parts, self.size, self.digest = list(snap.parts), snap.size, snap.digest
+        self.columns, self.size, self.digest = snap.columns.claim(snap.size), snap.size, snap.digest
         self.current[: snap.point] = snap.current
         self.current_pos[: snap.point] = snap.current_pos
 
@@ -138,7 +173,7 @@ class _Builder:
 def plan_request(program: Program, token_ids: list[int], memo: PlanMemo | None = None) -> Plan:
     """Plan the entries for tokens [0, T) plus the events right before token T (the first to generate).
     With a memo, start from the latest snapshot of an earlier plan that agrees with this one up to its
-    point, leave a snapshot at this plan's last cut, and compute the page keys (`Plan.keys`)."""
+    point, leave a snapshot after the events at this plan's last cut, and compute the page keys (`Plan.keys`)."""
     n = len(token_ids)
     ids = np.asarray(token_ids, dtype=np.int64)
     needed = needed_tokens(program, n)
@@ -148,17 +183,14 @@ def plan_request(program: Program, token_ids: list[int], memo: PlanMemo | None =
     texts = [_event_text(program, c) for c in cuts]
     b = _Builder(n, ids)
     blocks, segment_keys, segment_start, copies = [], [], [], 0
+    # per cut, the digest of everything the plan depends on up to and including the events there
     digests = cut_digests(ids, needed, cuts, texts) if memo is not None else []
     found = memo.find(digests) if memo is not None else None
+    resumed = found.point if found is not None else -1  # events at and before it are applied already
     if found is not None:
-        snap = found[1]
-        b.resume(snap)
-        blocks, segment_keys, segment_start = (
-            list(snap.blocks),
-            list(snap.segment_keys),
-            list(snap.segment_start),
-        )
-        copies = snap.copies
+        b.resume(found)
+        blocks, segment_keys = list(found.blocks), list(found.segment_keys)
+        segment_start, copies = list(found.segment_start), found.copies
 
     def enter(point: int, text: bytes) -> None:
         """Apply the events right before token `point`: drops change nothing physical; a reposition
@@ -176,15 +208,19 @@ def plan_request(program: Program, token_ids: list[int], memo: PlanMemo | None =
                 blocks.append((first, b.size, -1))
                 copies += int(moved.sum())
 
-    snapshot = None
+    snapshot, last_entry = None, -1
     for i, (point, end) in enumerate(zip(cuts, [*cuts[1:], n])):
-        if found is not None and point < found[1].point:
+        if point < resumed:
             continue
+        if point == resumed:
+            before = found.last_born
+        else:  # token point - 1's entry before the events here (a reposition may copy it)
+            before = int(b.current[point - 1]) if point > 0 else -1
+            enter(point, texts[i])
+        if point == n:
+            last_entry = before  # the last token's logits come from its born entry
         if memo is not None and i == len(cuts) - 1 and point > 0:  # the last cut: leave a snapshot
-            snapshot = b.snapshot(point, blocks, segment_keys, segment_start, copies)
-        if point == n:  # the last token's born entry, before a reposition right after it copies it
-            last_entry = int(b.current[n - 1])
-        enter(point, texts[i])
+            snapshot = b.snapshot(point, before, blocks, segment_keys, segment_start, copies)
         if point >= n:
             break
         born = np.nonzero(needed[point:end])[0] + point
@@ -201,15 +237,14 @@ def plan_request(program: Program, token_ids: list[int], memo: PlanMemo | None =
         last_entry = int(b.current[n - 1])
     final = np.concatenate([program.final_active, np.arange(program.num_tokens, n, dtype=np.int64)])
     final_entries = b.current[final]
-    columns = [np.concatenate(c) for c in zip(*b.parts)] if b.parts else [np.zeros(0, np.int64)] * 5
-    token, position, segment, source, records = columns
+    token, position, segment, source, records = b.columns.view(b.size)
     plan = Plan(
-        token, position, segment, source, records.reshape(-1, 5), blocks, segment_keys, segment_start,
+        token, position, segment, source, records, blocks, segment_keys, segment_start,
         last_entry, final_entries[final_entries >= 0], b.digest, int((~needed).sum()), copies,
     )  # fmt: skip
     if memo is not None:
         ps = memo.page_size
-        known = found[1].keys if found is not None else []
+        known = found.keys if found is not None else []
         parent = known[-1].key if known else None
         plan.keys = known + page_keys(plan.records[len(known) * ps :], ps, parent=parent)
         if snapshot is not None:

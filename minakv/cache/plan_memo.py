@@ -3,15 +3,17 @@
 An agent's round r + 1 resends round r's prompt, adds messages and extends its cache operations (they are
 cumulative). Planning it from scratch walks every earlier reposition again: with a reposition per round
 the plan holds every stage's copies, so planning would grow with the whole history. Instead the planner
-leaves a snapshot of its state at its last cut point (a token index where a drop or reposition acts), and a
-later plan that agrees with it on everything before that point starts there:
+leaves a snapshot of its state after its last cut point (a token index where a drop or reposition acts),
+and a later plan that agrees with it on everything up to that point starts there:
 
-    round r      [ born | copies | born | copies | born ]                 snapshot before point n_r
-    round r + 1  [ ------------- the same entries ------------- | copies | born ]   planned from n_r
+    round r      [ born | copies | born | copies | born | copies ]          snapshot after point n_r
+    round r + 1  [ ---------------- the same entries ---------------- | born | copies ]   planned from n_r
 
 "Agrees" is checked, not assumed: each cut point c gets a chain digest of everything the plan up to c
-depends on (the token ids before c, which of them must be computed, and the events at every earlier cut),
-and a snapshot is used only under an equal digest. A resumed plan is identical to one planned from
+depends on (the token ids before c, which of them must be computed, and the events at c and every earlier
+cut), and a snapshot is used only under an equal digest. When nothing was planned after the snapshot (the
+prompt ended at that cut, as an agent's round ends with its tool result), the next plan appends to the same
+entry columns in place instead of copying the history. A resumed plan is identical to one planned from
 scratch (tests/test_cache_plan_memo.py checks that).
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,14 +31,15 @@ from minakv.cache.keys import PageKey
 
 @dataclass
 class Snapshot:
-    """The planner's state right before the events at token index `point` (a cut point)."""
+    """The planner's state right after the events at token index `point` (a cut point)."""
 
     point: int
+    last_born: int  # token point - 1's entry before those events (the last token's, if point ends a prompt)
     size: int  # entries planned so far
     digest: bytes  # events digest (records' first two words)
     current: np.ndarray  # [point]: each token's latest entry
     current_pos: np.ndarray  # [point]: that entry's position
-    parts: list[tuple[np.ndarray, ...]]  # the entry columns so far, in blocks (shared, never written)
+    columns: Any  # plan.py's growable entry columns, holding at least `size` entries
     blocks: list[tuple[int, int, int]]
     segment_keys: list[np.ndarray]
     segment_start: list[int]
@@ -44,16 +48,16 @@ class Snapshot:
 
 
 def cut_digests(
-    token_ids: np.ndarray, needed: np.ndarray, cuts: list[int], event_text: list[bytes]
+    token_ids: np.ndarray, needed: np.ndarray, cuts: list[int], events: list[bytes]
 ) -> list[bytes]:
-    """Per cut point cuts[i], the digest of what a plan up to it depends on: the chain of (the events at
-    the cut before, the token ids and `needed` flags between the two)."""
+    """Per cut point cuts[i], the digest of everything a plan up to it depends on: a chain over the cuts of
+    the token ids since the cut before, which of them are computed, and the events at the cut."""
     digests, prev, start = [], b"", 0
-    for i, point in enumerate(cuts):
-        text = event_text[i - 1] if i else b""
-        h = hashlib.blake2b(prev + text, digest_size=16)
+    for point, text in zip(cuts, events):
+        h = hashlib.blake2b(prev, digest_size=16)
         h.update(token_ids[start:point].tobytes())
         h.update(needed[start:point].tobytes())
+        h.update(text)
         prev, start = h.digest(), point
         digests.append(prev)
     return digests
@@ -70,14 +74,14 @@ class PlanMemo:
         self.entries = 0
         self.hits = 0
 
-    def find(self, digests: list[bytes]) -> tuple[int, Snapshot] | None:
-        """The latest cut i whose digest has a snapshot, and the snapshot."""
-        for i in range(len(digests) - 1, 0, -1):
-            snap = self.snapshots.get(digests[i])
+    def find(self, digests: list[bytes]) -> Snapshot | None:
+        """The snapshot at the latest cut whose digest has one."""
+        for digest in reversed(digests[1:]):
+            snap = self.snapshots.get(digest)
             if snap is not None:
-                self.snapshots.move_to_end(digests[i])
+                self.snapshots.move_to_end(digest)
                 self.hits += 1
-                return i, snap
+                return snap
         return None
 
     def store(self, digest: bytes, snap: Snapshot) -> None:

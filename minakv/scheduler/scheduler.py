@@ -172,7 +172,7 @@ class Scheduler:
                 plan.position[copies],
             )
             for column, value in zip(batch.rerotate, values):
-                column += value.tolist()
+                column.append(value)
             r.usage.repos_tokens += len(copies)
             i += len(copies)
         run = todo[i : i + budget]

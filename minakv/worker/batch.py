@@ -49,9 +49,9 @@ class ForwardBatch:
     seg_kv_slots: list[IntList] = field(default_factory=list)  # chunks, one per segment piece
     seg_kv_pos: list[IntList] = field(default_factory=list)
     # re-rotation copies to make before the forward (all layers): src slot -> dst slot, old -> new position
-    rerotate: tuple[list[int], list[int], list[int], list[int]] = field(
+    rerotate: tuple[list[IntList], list[IntList], list[IntList], list[IntList]] = field(
         default_factory=lambda: ([], [], [], [])
-    )
+    )  # columns of chunks, one chunk per request
     # sampling: which token rows produce a next token, with which parameters, seed and output index
     sample_rows: list[int] = field(default_factory=list)
     sample_params: list[SamplingParams] = field(default_factory=list)
@@ -63,6 +63,10 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def num_copies(self) -> int:
+        return sum(map(len, self.rerotate[0]))
 
     def add_segment_keys(self, slots: IntList, positions: IntList) -> None:
         """Close one segment piece with the slots and positions of the keys it sees from before it."""

@@ -84,9 +84,10 @@ class Worker:
         """Enqueue the step's device work (forward, sampling, packing the results) and start copying the
         results to the host; returns at once on CUDA, so the host can prepare the next step meanwhile."""
         self._write_table(batch)
-        src, dst, old, new = batch.rerotate
-        if src:
-            moves = torch.tensor([src, dst, old, new], dtype=torch.int64).to(self.device)
+        if batch.num_copies:  # (src slot, dst slot, old position, new position) columns in one copy
+            chunks, sizes = flatten(list(batch.rerotate))
+            pinned = self.device.type == "cuda"
+            moves = host_int64(chunks, pin=pinned).to(self.device, non_blocking=True).split(sizes)
             rerotate_copy(self.k_cache, self.v_cache, *moves, self.model.rope)
         if not batch.sample_rows:
             if batch.num_tokens:
