@@ -108,6 +108,20 @@ def test_call_based_reposition_every_i_from_a() -> None:
     compile_request([7] * len(messages), ops)
 
 
+def test_bench_replay_kv_drop_is_a_policy() -> None:
+    """bench/agent_replay.py's hand-made kv_drop operations (cache_ops: one call per round, tool result j
+    is message 3 + 2j) are this policy's."""
+
+    def bench_ops(r: int, keep: int) -> dict:
+        drop = {str(3 + 2 * j): [3 + 2 * (j - keep)] for j in range(keep, r)}
+        return {"drop": drop, "reposition": [3 + 2 * j for j in range(keep, r)]}
+
+    for keep in (1, 2, 4):
+        policy = CachePolicy(keep_tool_results=keep, reposition_every_calls=1, reposition_first_call=keep + 1)
+        for r in range(12):
+            assert policy.ops(history([1] * r)) == bench_ops(r, keep)
+
+
 def test_call_based_reposition_sits_after_the_batch_and_its_drops() -> None:
     """With parallel calls the boundary is the batch's last result; a drop at that same message acts
     first, so the reposition compacts its hole too."""
