@@ -20,6 +20,7 @@ import time
 import torch
 from common import Log
 
+from minakv.ops.sampling import top_p_threshold_triton
 from minakv.params import SamplingParams
 from minakv.worker.sampler import SamplingTensors, sample, sample_to_host
 
@@ -113,6 +114,8 @@ def bench(log: Log, copy_bw: float, vocab: int, batches: tuple[int, ...], device
         z = torch.randn(rows, vocab, device=device)
         log.add("bench", name=f"B={rows} (torch.sort of the logits alone)", ms=ms_of(lambda z=z: torch.sort(z, dim=-1)),
                 figure="reference", headline=rows >= 128)  # fmt: skip
+        if device == "cuda":
+            top_p_ways(log, ms_of, z - z.amax(dim=-1, keepdim=True))
         ps = [SamplingParams(**SETTINGS["temperature 1 + top_p 0.9"]) for _ in range(rows)]
         seeds, counters = list(range(rows)), [3] * rows
         build_ms = ms_of(
@@ -120,6 +123,21 @@ def bench(log: Log, copy_bw: float, vocab: int, batches: tuple[int, ...], device
         )
         log.add("bench", name=f"B={rows} SamplingTensors.build", ms=build_ms, figure="host + one copy",
                 headline=rows >= 128)  # fmt: skip
+
+
+def top_p_ways(log: Log, ms_of, z: torch.Tensor) -> None:
+    """The top-p threshold kernel's search width (ways=2 is plain halving): time, and the same threshold."""
+    rows = z.shape[0]
+    thr = torch.full((rows, 1), float("-inf"), device=z.device)
+    top_p = torch.full((rows,), 0.9, device=z.device)
+    ref = top_p_threshold_triton(z, thr, top_p, ways=2, block=2048)
+    for ways, block in ((2, 2048), (4, 512), (8, 256), (8, 512), (16, 256)):
+
+        def fn(ways=ways, block=block) -> torch.Tensor:
+            return top_p_threshold_triton(z, thr, top_p, ways=ways, block=block)
+
+        log.add("bench", name=f"B={rows} top-p threshold kernel, {ways}-way, block {block}", ms=ms_of(fn),
+                figure=f"same as halving: {torch.equal(fn(), ref)}", headline=rows >= 128)  # fmt: skip
 
 
 def main() -> None:

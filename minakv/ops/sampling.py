@@ -8,9 +8,9 @@ are then compared. No [R, V] temporaries.
 top_p. With F(v) the mass of the tokens with z > v, the kept set is {z >= v*} where v* is the smallest
 value with F(v*) < top_p * total: F is a step function that only changes at the row's own values, so that
 boundary is itself one of them. Floats map to integers in the same order (flip the bits of negative
-floats), so a search of the integer range finds v* exactly: each pass over the row sums exp(z) above 15
-cut points at once (a 16-way search), and 9 passes narrow the 32-bit range to one value: about 11 reads
-of the row instead of a sort of it. Tokens outside the row's top-k (below
+floats), so a search of the integer range finds v* exactly: each pass over the row sums exp(z) above 7
+cut points at once (an 8-way search), and 12 passes narrow the 32-bit range to one value: about 14 reads
+of the row instead of a sort of it (halving would take 34). Tokens outside the row's top-k (below
 `thr`) count neither in F nor in the total.
 """
 
@@ -96,20 +96,22 @@ def _top_p_kernel(z_ptr, thr_ptr, p_ptr, out_ptr, V, BLOCK: tl.constexpr, WAYS: 
     target = target * tl.sum(total, axis=0)
     lo = tl.full([], -2139095042, tl.int64)  # just below -inf's key: F = total >= target, false
     hi = _ordered(shift.to(tl.int32, bitcast=True)).to(tl.int64)  # F(max) = 0 < target: true
-    # A WAYS-way search: each pass over the row tests WAYS - 1 cut points of (lo, hi] at once (one exp per
-    # element, then compares), so 8 passes of 16 ways cover the 32-bit range that halving needs 32 for.
+    # A WAYS-way search: each pass over the row tests WAYS - 1 cut points of (lo, hi] at once: one exp per
+    # element, then a compare and add per cut point into a [WAYS, BLOCK] tile that is reduced only once,
+    # after the pass (a reduction per block would cost more than the reads it saves).
     way = tl.arange(0, WAYS).to(tl.int64)
     for _ in range(ROUNDS):
         cut = lo + ((hi - lo) * (way + 1)) // WAYS  # cut[WAYS - 1] == hi
         c32 = cut.to(tl.int32)
         v = tl.where(c32 >= 0, c32, c32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        above = tl.zeros([WAYS], tl.float32)
+        above = tl.zeros([WAYS, BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             ids = start + tl.arange(0, BLOCK)
             z = tl.load(base + ids, mask=ids < V, other=float("-inf"))
             e = tl.where(z >= thr, tl.exp(z - shift), 0.0)
-            above += tl.sum(tl.where(z[None, :] > v[:, None], e[None, :], 0.0), axis=1)
-        first = tl.min(tl.where(above < target, way, WAYS - 1), axis=0)  # F is monotone in v
+            above += tl.where(z[None, :] > v[:, None], e[None, :], 0.0)
+        mass = tl.sum(above, axis=1)
+        first = tl.min(tl.where(mass < target, way, WAYS - 1), axis=0)  # F is monotone in v
         new_hi = tl.sum(tl.where(way == first, cut, 0), axis=0)
         lo = tl.where(first > 0, tl.sum(tl.where(way == first - 1, cut, 0), axis=0), lo)
         hi = new_hi
@@ -117,20 +119,15 @@ def _top_p_kernel(z_ptr, thr_ptr, p_ptr, out_ptr, V, BLOCK: tl.constexpr, WAYS: 
     tl.store(out_ptr + row, tl.where(h32 >= 0, h32, h32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True))
 
 
-def top_p_threshold_triton(z: torch.Tensor, thr: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def top_p_threshold_triton(
+    z: torch.Tensor, thr: torch.Tensor, top_p: torch.Tensor, *, ways: int = 8, block: int = 256
+) -> torch.Tensor:
     """[R, 1]: the smallest z each row keeps under its top_p (rows with top_p >= 1 keep everything: -inf),
-    among the tokens at or above `thr` [R, 1] (the top-k threshold, -inf for none)."""
+    among the tokens at or above `thr` [R, 1] (the top-k threshold, -inf for none). `ways` (a power of two;
+    2 is plain halving) and `block` are knobs for bench/bench_sampler.py."""
     rows, vocab = z.shape
     out = torch.empty(rows, device=z.device, dtype=torch.float32)
-    _top_p_kernel[(rows,)](
-        z.contiguous(),
-        thr.contiguous(),
-        top_p.contiguous(),
-        out,
-        vocab,
-        BLOCK=512,
-        WAYS=16,
-        ROUNDS=9,
-        num_warps=8,
-    )  # fmt: skip  (16**8 = 2**32, and one to spare)
+    rounds = -(-32 // (ways.bit_length() - 1)) + 1  # 32 bits of range, log2(ways) per pass, one to spare
+    _top_p_kernel[(rows,)](z.contiguous(), thr.contiguous(), top_p.contiguous(), out, vocab, BLOCK=block,
+                           WAYS=ways, ROUNDS=rounds, num_warps=8)  # fmt: skip
     return torch.where(top_p[:, None] < 1.0, out[:, None], float("-inf"))
