@@ -130,13 +130,14 @@ def top_p_ways(log: Log, ms_of, z: torch.Tensor) -> None:
     rows = z.shape[0]
     thr = torch.full((rows, 1), float("-inf"), device=z.device)
     top_p = torch.full((rows,), 0.9, device=z.device)
-    ref = top_p_threshold_triton(z, thr, top_p, ways=2, block=2048)
-    for ways, block in ((2, 2048), (4, 512), (8, 256), (8, 512), (16, 256)):
+    ref = top_p_threshold_triton(z, thr, top_p, ways=2, block=2048, num_warps=8)
+    for ways, block, warps in ((2, 2048, 8), (2, 4096, 8), (2, 8192, 16), (2, 16384, 16), (4, 4096, 16),
+                               (4, 8192, 16), (8, 2048, 16), (8, 4096, 16)):  # fmt: skip
 
-        def fn(ways=ways, block=block) -> torch.Tensor:
-            return top_p_threshold_triton(z, thr, top_p, ways=ways, block=block)
+        def fn(ways=ways, block=block, warps=warps) -> torch.Tensor:
+            return top_p_threshold_triton(z, thr, top_p, ways=ways, block=block, num_warps=warps)
 
-        log.add("bench", name=f"B={rows} top-p threshold kernel, {ways}-way, block {block}", ms=ms_of(fn),
+        log.add("bench", name=f"B={rows} top-p threshold kernel, {ways}-way, block {block}, {warps} warps", ms=ms_of(fn),
                 figure=f"same as halving: {torch.equal(fn(), ref)}", headline=rows >= 128)  # fmt: skip
 
 
