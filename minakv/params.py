@@ -19,6 +19,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: also the top k
+    min_p: float = 0.0  # keep tokens with p >= min_p * (the most likely token's p)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # logits of prompt and output tokens: / r if positive, * r if not
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def check(self) -> None:
         """Raise ValueError naming the field for any value the engine cannot honour."""
@@ -34,11 +39,33 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rep = self.repetition_penalty
+        if not isinstance(rep, (int, float)) or not 0 < rep <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {rep!r}")
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict) or len(bias) > 1024:
+            raise ValueError("logit_bias must map at most 1024 token ids to numbers")
+        for token, value in bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for {token}")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Does sampling need the request's token counts (minakv/worker/penalties.py)?"""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def stop_strings(self) -> list[str]:

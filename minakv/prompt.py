@@ -77,6 +77,10 @@ def make_request(
         raise ValueError(
             f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len} (room is needed to generate)"
         )
+    if bad := [t for t in params.logit_bias or {} if t >= config.vocab_size]:
+        raise ValueError(
+            f"logit_bias names token ids {bad[:5]} outside the vocabulary of {config.vocab_size}"
+        )
     limit = min(config.max_position_embeddings, max_model_len)
     program = compile_program(owners, num_messages, cache.get("drop"), cache.get("reposition"), limit)
     if program.next_pos >= limit:

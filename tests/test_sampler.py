@@ -22,10 +22,7 @@ LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.3, 0.0, -0.4, -1.0, -1.6, -2.5
 
 
 def params(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, logprobs=None) -> SamplingParams:
-    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, logprobs=logprobs)
-    if min_p:
-        p.min_p = min_p  # before SamplingParams has the field, the sampler reads it with getattr
-    return p
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, logprobs=logprobs)
 
 
 def exact(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

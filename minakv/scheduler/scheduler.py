@@ -43,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.rows = list(range(config.max_num_seqs))[::-1]  # free rows of the worker's key table
+        self.penalty_rows = list(range(config.max_num_seqs))[::-1]  # free rows of its penalty tables
         names = ("requests", "prompt_tokens", "output_tokens", "cache_hit_tokens", "prefill_tokens",
                  "preemptions", "decode_tokens", "decode_kv_entries", "errors")  # fmt: skip
         self.counters = dict.fromkeys(names, 0)
@@ -198,6 +199,10 @@ class Scheduler:
         batch.sample_params.append(r.params)
         batch.sample_seeds.append(r.seed)
         batch.sample_counters.append(len(r.output_ids) + r.pending)
+        if r.params.penalized and r.penalty_row < 0:  # first sample since (re)admission: fill its row
+            r.penalty_row = self.penalty_rows.pop()
+            batch.penalty_resets.append((r.penalty_row, r.prompt_ids, list(r.output_ids)))
+        batch.sample_penalty_rows.append(r.penalty_row)
         batch.scheduled.append(r)
         r.pending += 1
 
@@ -288,6 +293,9 @@ class Scheduler:
         if r.row >= 0:
             self.rows.append(r.row)
             r.row = -1
+        if r.penalty_row >= 0:
+            self.penalty_rows.append(r.penalty_row)
+            r.penalty_row = -1
 
     def _preempt(self, r: Request) -> None:
         self.counters["preemptions"] += 1

@@ -57,6 +57,9 @@ class ForwardBatch:
     sample_params: list[SamplingParams] = field(default_factory=list)
     sample_seeds: list[int] = field(default_factory=list)
     sample_counters: list[int] = field(default_factory=list)
+    sample_penalty_rows: list[int] = field(default_factory=list)  # row of the penalty tables, -1: none
+    # penalty-table rows to (re)fill before the step: (row, prompt ids, output ids so far)
+    penalty_resets: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
     # the scheduler's own note, which the worker never reads: the request of each sample row
     scheduled: list[Any] = field(default_factory=list)
 

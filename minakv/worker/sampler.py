@@ -17,6 +17,9 @@ the k largest; top-p keeps the smallest prefix of the sorted (top-k renormalised
 reaches top_p (the first token always stays); min-p keeps z >= max z + log(min_p), i.e. p >= min_p * p_max.
 Tokens tied with the last kept one are kept too. The sort runs only when some row asks for top-k or top-p.
 
+Before any of that, a row's logit bias is added and its penalties applied (repetition, presence, frequency:
+minakv/worker/penalties.py keeps each penalised request's token counts on the device), on a copy.
+
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), as OpenAI reports them.
 The host reads everything back in one transfer at the end of the step (`sample_to_host`).
 """
@@ -31,6 +34,7 @@ from minakv.ops.sampling import gumbel_argmax_triton, top_p_threshold_triton
 from minakv.ops.triton_util import use_triton
 from minakv.outputs import TokenLogprob
 from minakv.params import SamplingParams
+from minakv.worker.penalties import PenaltyTables
 
 MIN_TEMPERATURE = 1e-5  # below this a row is greedy: z = logits / T would only round the argmax differently
 MASK32 = 0xFFFFFFFF
@@ -55,19 +59,28 @@ class SamplingTensors:
     max_top_k: int  # the largest top_k among sampled rows (0 when none)
     needs_logprobs: bool
     max_logprobs: int  # the largest top-n asked for (0 when only chosen logprobs, or none)
+    # penalties (minakv/worker/penalties.py) and logit bias: None when no row asks for them
+    penalty_rows: torch.Tensor | None = None  # [R] int64: the row of the penalty tables, -1 for none
+    penalties: torch.Tensor | None = None  # [3, R] float32: presence, frequency, repetition
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, token, value) triples
 
     @staticmethod
     def build(
-        params: list[SamplingParams], seeds: list[int], counters: list[int], device: torch.device | str
+        params: list[SamplingParams],
+        seeds: list[int],
+        counters: list[int],
+        device: torch.device | str,
+        penalty_rows: list[int] | None = None,
     ) -> SamplingTensors:
         """seeds: one per row (the request's seed, or one drawn once for it); counters: how many tokens the
-        request has generated so far. O(batch) host work and one host-to-device copy."""
+        request has generated so far; penalty_rows: each row's row of the penalty tables (-1: none).
+        O(batch) host work (plus the logit-bias entries) and a few small host-to-device copies."""
         greedy = [p.temperature < MIN_TEMPERATURE for p in params]
         floats = torch.tensor(
             [
                 [1.0 if g else p.temperature for p, g in zip(params, greedy)],
                 [p.top_p for p in params],
-                [getattr(p, "min_p", 0.0) or 0.0 for p in params],
+                [p.min_p for p in params],
             ],
             dtype=torch.float64,
         )
@@ -88,6 +101,25 @@ class SamplingTensors:
         f = packed[:3].view(torch.float64).float()
         top_k, g, key = packed[3:]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        extra: dict = {}
+        if penalty_rows is not None and any(r >= 0 for r in penalty_rows):
+            extra["penalty_rows"] = torch.tensor(penalty_rows, dtype=torch.int64).to(device)
+            extra["penalties"] = (
+                torch.tensor(
+                    [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
+                    dtype=torch.float32,
+                )
+                .T.contiguous()
+                .to(device)
+            )
+        triples = [(i, tok, val) for i, p in enumerate(params) for tok, val in (p.logit_bias or {}).items()]
+        if triples:
+            rows_, toks, vals = zip(*triples)
+            extra["bias"] = (
+                torch.tensor(rows_, dtype=torch.int64).to(device),
+                torch.tensor(toks, dtype=torch.int64).to(device),
+                torch.tensor(vals, dtype=torch.float32).to(device),
+            )
         return SamplingTensors(
             temperature=f[0],
             top_k=top_k,
@@ -98,10 +130,11 @@ class SamplingTensors:
             all_greedy=all(greedy),
             any_top_k=any(0 < p.top_k for p, gr in zip(params, greedy) if not gr),
             any_top_p=any(p.top_p < 1.0 for p, gr in zip(params, greedy) if not gr),
-            any_min_p=any((getattr(p, "min_p", 0.0) or 0.0) > 0 for p, gr in zip(params, greedy) if not gr),
+            any_min_p=any(p.min_p > 0 for p, gr in zip(params, greedy) if not gr),
             max_top_k=max((p.top_k for p, gr in zip(params, greedy) if not gr), default=0),
             needs_logprobs=bool(wanted),
             max_logprobs=max(wanted, default=0),
+            **extra,
         )
 
 
@@ -175,9 +208,23 @@ def top_p_threshold_sorted(z: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(t.top_p[:, None] < 1.0, torch.maximum(thr, thr_p), thr)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logits [R, V] -> [R] int64 token ids on the device, with no host sync."""
-    logits = logits.float()
+def adjust(logits: torch.Tensor, t: SamplingTensors, tables: PenaltyTables | None) -> torch.Tensor:
+    """The logits sampling draws from: the logit bias added, then the penalties (a copy; the raw logits
+    still give the logprobs)."""
+    if t.bias is None and t.penalty_rows is None:
+        return logits
+    logits = logits.clone()
+    if t.bias is not None:
+        logits.index_put_(t.bias[:2], t.bias[2], accumulate=True)
+    if t.penalty_rows is not None and tables is not None:
+        logits = tables.apply(logits, t.penalty_rows, *t.penalties)
+    return logits
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, tables: PenaltyTables | None = None) -> torch.Tensor:
+    """logits [R, V] -> [R] int64 token ids on the device, with no host sync. `tables`: the penalty tables,
+    when some row has a penalty."""
+    logits = adjust(logits.float(), t, tables)
     greedy_tokens = logits.argmax(dim=-1)
     if t.all_greedy:
         return greedy_tokens
@@ -202,11 +249,15 @@ def sample_to_host(
     return unpack(sample_packed(logits, t)[1].tolist(), params, t.max_logprobs)
 
 
-def sample_packed(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_packed(
+    logits: torch.Tensor, t: SamplingTensors, tables: PenaltyTables | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's results still on the device: tokens [R] int64, and everything the host needs packed into one
     float64 [R, C] tensor (token, chosen logprob, top ids, top logprobs; ids < 2**53 are exact), so a caller
     can start its one copy to the host and wait for it later. `unpack` reads it."""
-    tokens = sample(logits, t)
+    tokens = sample(logits, t, tables)
+    if t.penalty_rows is not None and tables is not None:
+        tables.record(t.penalty_rows, tokens)  # the next step's counts include this token
     cols = [tokens[:, None].double()]
     if t.needs_logprobs:
         lp = torch.log_softmax(logits.float(), dim=-1)

@@ -22,6 +22,7 @@ from minakv.params import SamplingParams
 from minakv.worker.batch import ForwardBatch, flatten, host_int64
 from minakv.worker.graphs import DecodeGraphs
 from minakv.worker.paged import KeyTable, PagedContext
+from minakv.worker.penalties import PenaltyTables
 from minakv.worker.sampler import SamplingTensors, sample_packed, unpack
 
 
@@ -66,7 +67,9 @@ class Worker:
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.table = KeyTable(max_rows, max_keys, device)
+        self.max_rows = max_rows
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=device)  # the previous step's samples
+        self.penalties: PenaltyTables | None = None  # made when a request first asks for a penalty
         cuda_graphs = cuda_graphs and os.environ.get("MINAKV_CUDA_GRAPHS", "1") != "0"
         self.graphs = (
             DecodeGraphs(
@@ -84,6 +87,11 @@ class Worker:
         """Enqueue the step's device work (forward, sampling, packing the results) and start copying the
         results to the host; returns at once on CUDA, so the host can prepare the next step meanwhile."""
         self._write_table(batch)
+        for row, prompt_ids, output_ids in batch.penalty_resets:
+            if self.penalties is None:  # the first penalised request: the tables cost nothing before
+                vocab = self.model.config.vocab_size
+                self.penalties = PenaltyTables(self.max_rows, vocab, self.device)
+            self.penalties.reset(row, prompt_ids, output_ids)
         if batch.num_copies:  # (src slot, dst slot, old position, new position) columns in one copy
             chunks, sizes = flatten(list(batch.rerotate))
             pinned = self.device.type == "cuda"
@@ -94,8 +102,14 @@ class Worker:
                 self._forward(batch)
             return Launched(None, None, [], 0)
         logits = self._forward(batch)
-        t = SamplingTensors.build(batch.sample_params, batch.sample_seeds, batch.sample_counters, self.device)
-        tokens, packed = sample_packed(logits, t)
+        t = SamplingTensors.build(
+            batch.sample_params,
+            batch.sample_seeds,
+            batch.sample_counters,
+            self.device,
+            batch.sample_penalty_rows,
+        )
+        tokens, packed = sample_packed(logits, t, self.penalties)
         self.last_tokens = tokens
         event = None
         if self.device.type == "cuda":
