@@ -35,6 +35,11 @@ SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "logprobs",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
 )
 
 
@@ -47,9 +52,6 @@ def check_common(req: SamplingFields, served_names: set[str]) -> None:
         )
     if req.n != 1:
         raise RequestError("only n=1 is supported", "n")
-    if req.presence_penalty or req.frequency_penalty:
-        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        raise RequestError(f"{param} is not supported (must be 0)", param)
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -57,6 +59,11 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     model's limit (the engine stops at the last position it may use)."""
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:
         raise RequestError(f"seed must be a 64-bit integer, got {req.seed}", "seed")
+    bias = {}
+    for token, value in (req.logit_bias or {}).items():
+        if not token.lstrip("-").isdigit():
+            raise RequestError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
+        bias[int(token)] = value
     params = SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else SamplingParams.max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -67,6 +74,11 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=bias or None,
     )
     try:
         params.check()
