@@ -139,3 +139,24 @@ def test_repositioning_agents_hold_only_what_they_read(model, monkeypatch):
         per_round.append(max(held[-2:]))
     # live state grows by the kept turns (about a page a round); every old stage would add ~40 pages
     assert engine.stats()["evictions"] == 0 and per_round[-1] - per_round[4] <= 2 * 5, per_round
+
+
+def test_a_prompt_is_shared_once_its_prefill_is_done(model):
+    """A request arriving while another with the same prompt decodes reads the prompt's full pages from the
+    cache (they are published at the first token, not at the end), and decodes the same greedy tokens."""
+    engine = Engine(model, page_size=4, kv_cache_tokens=1024, max_num_batched_tokens=256)
+    prompt = prompts_of(1, length=61)[0]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = engine._make(prompt, params)
+    engine.scheduler.add(first)
+    while not first.output_ids:
+        engine.step()
+    second = engine._make(prompt, params)
+    engine.scheduler.add(second)
+    while engine.scheduler.has_work():
+        engine.step()
+    engine._flush()
+    assert first.finish_reason == second.finish_reason == "length"
+    assert second.usage.cached_tokens == 60  # 15 full pages; the last token's page is always computed
+    assert second.output_ids == first.output_ids
+    engine.check()

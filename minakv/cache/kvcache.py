@@ -56,11 +56,16 @@ class KVCache:
                 return None
         return self.pool.allocate(1)[0]
 
-    def release(self, pages: list[int], publish: dict[int, PageKey | None]) -> None:
-        """A request lets go of `pages`; those with a key in `publish` are complete and go to the index."""
+    def publish(self, publish: dict[int, PageKey | None]) -> None:
+        """Index complete pages (page -> key) that a running request still holds; the index takes its own
+        reference, so they outlive the request. Publishing a page again only refreshes it."""
         offered = [(key, page) for page, key in publish.items() if key is not None]
         if self.enabled and offered:
             self.index.insert([k for k, _ in offered], [p for _, p in offered])
+
+    def release(self, pages: list[int], publish: dict[int, PageKey | None]) -> None:
+        """A request lets go of `pages`; those with a key in `publish` are complete and go to the index."""
+        self.publish(publish)
         self.pool.decref(pages)
 
     def check(self, holders: list[list[int]]) -> None:

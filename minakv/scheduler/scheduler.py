@@ -113,6 +113,8 @@ class Scheduler:
             self.counters["output_tokens"] += 1
             if apply_token(r, token, logprob, self.tokenizer, self.max_model_len):
                 self._finish(r, r.finish_reason)
+            elif r.status is Status.RUNNING and not r.shared and r.cursor >= len(r.todo):
+                self._share(r)
             changed.append(r)
         return changed
 
@@ -278,6 +280,14 @@ class Scheduler:
         r.next_pos = int(r.program.birth_positions([len(tokens)])[0])
         r.usage.drop_skipped_tokens = plan.num_skipped
 
+    def _share(self, r: Request) -> None:
+        """Publish r's computed full pages as soon as its prompt is done, not only when it ends, so requests
+        arriving meanwhile with the same prefix (n samples of one prompt, agents sharing a system prompt)
+        read them instead of computing them again. Full pages never change, so sharing them early is safe."""
+        publish, _ = publishable(r, self.page_size)
+        self.kv.publish(publish)
+        r.shared = True
+
     def _release(self, r: Request) -> None:
         """Publish r's computed full pages to the cache and drop r's hold on all its pages."""
         if r.status is Status.RUNNING:
@@ -300,7 +310,7 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         self.counters["preemptions"] += 1
         self._release(r)
-        r.status, r.plan = Status.WAITING, None
+        r.status, r.plan, r.shared = Status.WAITING, None, False
         self.waiting.appendleft(r)
 
     def _finish(self, r: Request, reason: str | None) -> Request:
