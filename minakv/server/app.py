@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from minakv.engine import Engine
-from minakv.server import output, prompts
+from minakv.server import anthropic, output, prompts
 from minakv.server.cache_ops import has_cache_ops
 from minakv.server.metrics import CONTENT_TYPE, ServerMetrics
 from minakv.server.protocol import (
@@ -78,6 +78,7 @@ def make_app(
     app[METRICS] = ServerMetrics(engine, names[0])
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", anthropic.messages)  # Anthropic Messages API
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
