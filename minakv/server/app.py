@@ -40,6 +40,7 @@ from minakv.server.protocol import (
     decode_request,
     error_body,
 )
+from minakv.server.responses_route import create_response
 from minakv.server.running import (
     bad_prompt,
     check_failed,
@@ -78,6 +79,7 @@ def make_app(
     app[METRICS] = ServerMetrics(engine, names[0])
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", create_response)  # OpenAI Responses API (responses_route.py)
     app.router.add_post("/v1/messages", anthropic.messages)  # Anthropic Messages API
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
