@@ -73,6 +73,11 @@ def build_model(
             p.data.fill_(1.0)
         else:
             p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    for name, b in model.named_buffers():
+        if b.dtype == torch.uint8 and name.endswith("_blocks"):  # MXFP4 codes: any byte is two valid codes
+            b.copy_(torch.randint(0, 256, b.shape, generator=gen, dtype=torch.uint8))
+        elif b.dtype == torch.uint8 and name.endswith("_scales"):  # 2^-7: values of std ~0.02, like the rest
+            b.fill_(120)
     return model
 
 

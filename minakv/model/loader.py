@@ -6,8 +6,8 @@ by name. Our parameter names are the checkpoint names without `model.` (MiniMax-
   GPT-OSS: fused `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H] (bf16/fp32, the transpose of ours)
            or MXFP4 `*_blocks` / `*_scales` ([E, out, in] orientation); gate/up rows interleaved -> halves.
   MiniMax-M2: one `w1` (gate) / `w3` (up) / `w2` (down) per expert, possibly FP8 with `weight_scale_inv`.
-Quantised weights are dequantised at load (minakv.model.quant); GPT-OSS keeps the packed MXFP4 tensors
-on `experts.mxfp4` for a 4-bit kernel. Every tensor must be used once and every parameter found: a
+MiniMax-M2's FP8 weights are dequantised at load (minakv.model.quant); GPT-OSS's MXFP4 experts stay packed
+(`GptOssExperts.packed`) for the 4-bit kernels. Every tensor must be used once and every parameter found: a
 missing, unexpected or mis-shaped tensor is an error that names it.
 """
 
@@ -25,7 +25,7 @@ from minakv.model.config import ModelConfig
 from minakv.model.gpt_oss import GptOssExperts
 from minakv.model.layers import CausalLM
 from minakv.model.minimax_m2 import MiniMaxM2Experts
-from minakv.model.quant import dequantize_fp8_block, dequantize_mxfp4
+from minakv.model.quant import dequantize_fp8_block
 
 IGNORED = re.compile(r"(^|\.)mtp\.|rotary_emb\.inv_freq$")  # MiniMax MTP heads (unused), RoPE caches
 
@@ -106,11 +106,14 @@ def deinterleave(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
 
 
 def load_gpt_oss_experts(experts: GptOssExperts, prefix: str, ckpt: Checkpoint, device: torch.device) -> None:
-    e, two_i, h = experts.gate_up.shape
-    i = two_i // 2
-    dtype = experts.gate_up.dtype
-    if prefix + ".gate_up_proj_blocks" in ckpt:
-        packed = {}
+    e, two_i = experts.gate_up_bias.shape
+    h, i = experts.down_bias.shape[1], two_i // 2
+    mxfp4 = prefix + ".gate_up_proj_blocks" in ckpt
+    if mxfp4 != experts.packed:
+        raise CheckpointError(
+            f"{prefix}: the config says quant_method mxfp4 = {experts.packed}, the tensors disagree"
+        )
+    if mxfp4:  # the bytes stay packed (GptOssExperts); only the gate/up rows are reordered into halves
         for ours, theirs, rows, cols in (("gate_up", "gate_up_proj", 2 * i, h), ("down", "down_proj", h, i)):
             if cols % 32:
                 raise CheckpointError(f"MXFP4 {prefix}.{theirs}: input dim {cols} is not a multiple of 32")
@@ -118,10 +121,8 @@ def load_gpt_oss_experts(experts: GptOssExperts, prefix: str, ckpt: Checkpoint, 
             scales = ckpt.get(f"{prefix}.{theirs}_scales", (e, rows, cols // 32)).to(device)
             if ours == "gate_up":
                 blocks, scales = deinterleave(blocks), deinterleave(scales)
-            packed[f"{ours}_blocks"], packed[f"{ours}_scales"] = blocks, scales
-            for j in range(e):  # one expert at a time keeps the fp32/int64 temporaries small
-                getattr(experts, ours).data[j].copy_(dequantize_mxfp4(blocks[j], scales[j], dtype))
-        experts.mxfp4 = packed
+            getattr(experts, f"{ours}_blocks").copy_(blocks)
+            getattr(experts, f"{ours}_scales").copy_(scales)
     else:
         gate_up = ckpt.get(prefix + ".gate_up_proj", (e, h, 2 * i)).to(device)
         experts.gate_up.data.copy_(deinterleave(gate_up.transpose(1, 2), 1))
