@@ -436,3 +436,43 @@ def test_errors_name_the_anthropic_field() -> None:
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "tool"]
     assert conv.field_name("messages[4].content") == "messages[2].content[1].content"
     assert conv.field_name("messages[9]") == "messages[9]" and conv.field_name("tools[0]") == "tools[0]"
+
+
+def test_engine_failures(setup, monkeypatch) -> None:
+    """A failure before the first token is a plain 500; after the stream started, an `error` event."""
+    engine, client = setup.engine, setup.client
+    if setup.family != "tiny-minimax-m2":
+        pytest.skip("the same for both families")
+
+    def fail_after(n: int) -> None:
+        async def fake(prompt, params=None, request_id=None):
+            for i in range(n):
+                yield RequestOutput(request_id or "r", [i], "thinking ")
+            yield RequestOutput(request_id or "r", [], "", "error")
+
+        monkeypatch.setattr(engine, "stream", fake)
+
+    args = {"model": NAME, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    fail_after(0)
+    with pytest.raises(anthropic.InternalServerError) as info:
+        client.messages.create(**args)
+    assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "api_error"
+    fail_after(2)
+    events = []
+    with pytest.raises(anthropic.APIStatusError) as info:
+        for event in client.messages.create(**args, stream=True):
+            events.append(event.type)
+    assert events[:2] == ["message_start", "content_block_start"] and "message_stop" not in events
+    assert info.value.body["error"]["type"] == "api_error"
+
+
+def test_tool_choice_none_and_effort(setup, prompts) -> None:
+    client = setup.client
+    user = {"role": "user", "content": "hi"}
+    client.messages.create(
+        model=NAME, max_tokens=1, messages=[user], tools=TOOLS, tool_choice={"type": "none"},
+        output_config={"effort": "max"},
+    )  # fmt: skip
+    assert "tools" not in prompts[0] and prompts[0]["chat_template_kwargs"] == {"reasoning_effort": "high"}
+    client.messages.create(model=NAME, max_tokens=1, messages=[user], tools=TOOLS)
+    assert prompts[1]["tools"] == CHAT_TOOLS and "chat_template_kwargs" not in prompts[1]
