@@ -31,8 +31,8 @@ from msgspec import Struct
 from minakv.server.protocol import CacheForm, ChatCompletionRequest, ChatMessage, DropRule, RequestError, Tool
 
 
-class ResultPart(Struct):
-    """A block inside a tool_result's content (only text is supported)."""
+class TextPart(Struct):
+    """A block of `system` or of a tool_result's content (only text is supported there)."""
 
     type: str
     text: str | None = None
@@ -49,7 +49,7 @@ class Block(Struct):
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None  # tool_result
-    content: str | list[ResultPart] | None = None
+    content: str | list[TextPart] | None = None
     is_error: bool | None = None
 
 
@@ -58,18 +58,11 @@ class AnthropicMessage(Struct):
     content: str | list[Block]
 
 
-class SystemBlock(Struct):
-    type: str
-    text: str | None = None
-
-
 class ToolDef(Struct):
     name: str
     input_schema: dict[str, Any] | None = None
     description: str | None = None
-    type: str | None = (
-        None  # "custom" or absent; Anthropic's server tools (bash_..., web_search_...) have others
-    )
+    type: str | None = None  # "custom" or absent; Anthropic's server tools (web_search_..., ...) have others
 
 
 class ToolChoice(Struct):
@@ -87,7 +80,7 @@ class MessagesRequest(Struct, kw_only=True):
     model: str
     max_tokens: int  # required, as in Anthropic's API
     messages: list[AnthropicMessage]
-    system: str | list[SystemBlock] | None = None
+    system: str | list[TextPart] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = None
@@ -153,7 +146,7 @@ def to_chat(req: MessagesRequest) -> Conversation:
     return conv
 
 
-def system_text(system: str | list[SystemBlock]) -> str:
+def system_text(system: str | list[TextPart]) -> str:
     if isinstance(system, str):
         return system
     for j, b in enumerate(system):
@@ -193,7 +186,7 @@ def assistant_message(blocks: list[Block], where: str, names: dict[str, str]) ->
             )
     # no empty reasoning_content or tool_calls keys: templates test for their presence
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-    if thoughts:
+    if "".join(thoughts):
         message["reasoning_content"] = "".join(thoughts)
     if calls:
         message["tool_calls"] = calls
@@ -231,7 +224,7 @@ def user_messages(blocks: list[Block], where: str, names: dict[str, str]) -> lis
     return out
 
 
-def result_text(content: str | list[ResultPart] | None, where: str) -> str:
+def result_text(content: str | list[TextPart] | None, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     for j, part in enumerate(content):
