@@ -215,6 +215,44 @@ def test_cache_drop_rides_along(served) -> None:
     wait_idle(served.engine)
 
 
+def test_item_numbering_as_documented() -> None:
+    """docs/server.md's example: the chat message each input item becomes (cache operations name these)."""
+    from minakv.server.responses import ResponsesRequest, to_messages
+
+    def call(c):
+        return {"type": "function_call", "call_id": c, "name": "get_weather", "arguments": "{}"}
+
+    def thought(text):
+        return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+    items = [
+        {"role": "user", "content": "weather in Paris and Rome?"}, thought("two calls"), call("c1"), call("c2"),
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": "rain"}, thought("done"),
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny, rain."}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "and tomorrow?"}]},
+    ]  # fmt: skip
+    conv = to_messages(ResponsesRequest(model="m", input=items, instructions="You help."))
+    assert [m["role"] for m in conv.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+        "user",
+    ]
+    assert conv.origins == ["instructions", *(f"input[{j}]" for j in (0, 1, 4, 5, 6, 8))]
+    assert [c["id"] for c in conv.messages[2]["tool_calls"]] == ["c1", "c2"]
+    assert conv.messages[2]["reasoning_content"] == "two calls" and conv.messages[2]["content"] is None
+    assert (conv.messages[5]["reasoning_content"], conv.messages[5]["content"]) == ("done", "Sunny, rain.")
+    # the order within a turn is reasoning, text, calls: going back starts a new assistant message
+    again = to_messages(
+        ResponsesRequest(model="m", input=[items[0], call("c1"), thought("more"), call("c2")])
+    )
+    assert [m["role"] for m in again.messages] == ["user", "assistant", "assistant"]
+
+
 def test_refusals_name_the_field(served) -> None:
     c, model = served.client, served.model
     cases = [
@@ -227,7 +265,6 @@ def test_refusals_name_the_field(served) -> None:
         ({"tool_choice": "required", "tools": [WEATHER]}, "tool_choice"),
         ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
-        ({"model": "nope"}, "model"),
     ]  # fmt: skip
     for extra, param in cases:
         body = {"model": model, "input": "hi", **extra}
@@ -315,6 +352,24 @@ def test_function_call_and_its_output(served, monkeypatch) -> None:
     assert second.usage.input_tokens == ref.usage.prompt_tokens
     assert texts(second.output) == want
     wait_idle(engine)
+
+
+def test_engine_failure_after_the_stream_started(served, monkeypatch) -> None:
+    """A failure after the first increment: the stream ends with response.failed, a whole response is a 500."""
+
+    async def failing(prompt, params=None, request_id=None):
+        yield RequestOutput(
+            request_id, [1], "<|channel|>final<|message|>Hel" if "gpt" in served.model else "x"
+        )
+        yield RequestOutput(request_id, [], "", "error")
+
+    monkeypatch.setattr(served.engine, "stream", failing)
+    events = list(served.client.responses.create(model=served.model, input="hi", stream=True))
+    assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
+    assert events[-1].response.error.code == "server_error"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with pytest.raises(openai.InternalServerError):
+        served.client.responses.create(model=served.model, input="hi")
 
 
 # ---------------------------------------------------------------------------------------------------------

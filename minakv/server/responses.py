@@ -254,7 +254,8 @@ def chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    """ "auto" and "none" as they are; anything else becomes something the chat endpoint refuses by name."""
+    """The chat spelling: strings as they are, a named function nested under `function`. The chat endpoint
+    then takes "auto" and "none" and refuses the rest (they need constrained decoding)."""
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice

@@ -68,15 +68,25 @@ class Item:
                 "status": self.status,
             }
         if self.kind == "content":
-            return {
-                "id": self.id,
-                "type": "message",
-                "role": "assistant",
-                "status": self.status,
-                "content": parts,
-            }
+            return {"id": self.id, "type": "message", "role": "assistant", "status": self.status,
+                    "content": parts}  # fmt: skip
         return {"id": self.id, "type": "function_call", "call_id": self.call_id, "name": self.name,
                 "arguments": self.text, "status": self.status}  # fmt: skip
+
+    def where(self, at: int) -> dict[str, Any]:
+        """The fields that place a text event: the item, and its one content part (calls have none)."""
+        if self.kind == "tool_call":
+            return {"item_id": self.id, "output_index": at}
+        logprobs = {"logprobs": []} if self.kind == "content" else {}  # not supported: always empty
+        return {"item_id": self.id, "output_index": at, "content_index": 0, **logprobs}
+
+
+# per item kind: the name of its text events (.delta, .done) and the .done field holding the whole text
+TEXT_EVENTS = {
+    "reasoning": ("response.reasoning_text", "text"),
+    "content": ("response.output_text", "text"),
+    "tool_call": ("response.function_call_arguments", "arguments"),
+}
 
 
 def flat_tool(chat_tool: dict[str, Any]) -> dict[str, Any]:
@@ -138,43 +148,19 @@ class ResponseBuilder:
         item, at = self.open, len(self.items) - 1
         assert item is not None
         item.text += text
-        if item.kind == "tool_call":
-            return [
-                self.event(
-                    "response.function_call_arguments.delta", item_id=item.id, output_index=at, delta=text
-                )
-            ]
-        where = {"item_id": item.id, "output_index": at, "content_index": 0, "delta": text}
-        if item.kind == "reasoning":
-            return [self.event("response.reasoning_text.delta", **where)]
-        return [self.event("response.output_text.delta", **where, logprobs=[])]
+        return [self.event(f"{TEXT_EVENTS[item.kind][0]}.delta", **item.where(at), delta=text)]
 
     def close(self, status: str) -> list[dict[str, Any]]:
         item, at = self.open, len(self.items) - 1
         if item is None:
             return []
         self.open, item.status = None, status
-        where = {"item_id": item.id, "output_index": at}
-        if item.kind == "tool_call":
-            events = [
-                self.event(
-                    "response.function_call_arguments.done", **where, name=item.name, arguments=item.text
-                )
-            ]
-        else:
-            if item.kind == "reasoning":
-                events = [
-                    self.event("response.reasoning_text.done", **where, content_index=0, text=item.text)
-                ]
-            else:
-                events = [
-                    self.event(
-                        "response.output_text.done", **where, content_index=0, text=item.text, logprobs=[]
-                    )
-                ]
-            events.append(
-                self.event("response.content_part.done", **where, content_index=0, part=item.part())
-            )
+        name, field = TEXT_EVENTS[item.kind]
+        named = {"name": item.name} if item.kind == "tool_call" else {}
+        events = [self.event(f"{name}.done", **item.where(at), **named, **{field: item.text})]
+        if item.kind != "tool_call":
+            events.append(self.event("response.content_part.done", item_id=item.id, output_index=at,
+                                     content_index=0, part=item.part()))  # fmt: skip
         return events + [self.event("response.output_item.done", output_index=at, item=item.wire())]
 
     def finish(self, out: RequestOutput) -> list[dict[str, Any]]:
