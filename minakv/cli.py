@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 def cmd_generate(args: argparse.Namespace) -> int:
     from minakv import Engine, SamplingParams
 
-    engine = Engine(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format)
     tokenizer = engine.tokenizer
     if args.raw or tokenizer is None or not tokenizer.chat_template:
         prompt = args.prompt
@@ -62,6 +62,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--prompt", default="What is the capital of France?")
     gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                     help="dummy: random weights in the checkpoint's precision (e.g. gpt-oss-120b)")  # fmt: skip
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     gen.add_argument(
         "--dtype", choices=DTYPES, default=None, help="default: bfloat16 on cuda, float32 on cpu"

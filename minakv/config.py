@@ -8,6 +8,9 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     model: str = "tiny-gpt-oss"  # local HF directory, hub repo id, or a built-in preset name
+    # "auto": the checkpoint's weights; "dummy": random weights in the checkpoint's own precision, from a
+    # directory's config.json or a real model's shape (gpt-oss-20b, gpt-oss-120b, minimax-m2), nothing read
+    load_format: str = "auto"
     device: str | None = None  # default: cuda when available, else cpu
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
     page_size: int = 16  # KV slots per page; any size >= 1
@@ -22,6 +25,8 @@ class EngineConfig:
     memory_fraction: float = 0.85  # of free accelerator memory (or a share of RAM on cpu) for the KV pool
 
     def check(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:

@@ -28,6 +28,7 @@ from minakv.config import EngineConfig
 from minakv.model import CausalLM, default_device_dtype, load_model
 from minakv.outputs import RequestOutput
 from minakv.params import SamplingParams
+from minakv.presets.real import build_dummy, dummy_tokenizer
 from minakv.prompt import make_request
 from minakv.scheduler.request import Request
 from minakv.scheduler.scheduler import Scheduler
@@ -74,6 +75,12 @@ class Engine:
             self.model, self.tokenizer, self.model_name = model, tokenizer, "custom"
             dtype = model.embed_tokens.weight.dtype
             device = model.embed_tokens.weight.device
+        elif config.load_format == "dummy":
+            dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
+            device, dtype = default_device_dtype(config.device, dtype)
+            self.model = build_dummy(config.model, device, dtype)
+            self.model_name = str(model)
+            self.tokenizer = tokenizer or dummy_tokenizer(self.model.config.arch)
         else:
             from minakv.presets import resolve_model
 

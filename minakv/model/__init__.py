@@ -62,20 +62,23 @@ def build_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     seed: int = 0,
+    device_rng: bool = False,
 ) -> CausalLM:
-    """A model with random weights (normal(0, 0.02); norm weights 1) for tests and benchmarks."""
+    """A model with random weights (normal(0, 0.02); norm weights 1; MXFP4 experts as random codes with
+    scale 2^-7) for tests and benchmarks. `device_rng`: draw on the device (fast for real sizes; other
+    numbers than the CPU generator's)."""
     device, dtype = default_device_dtype(device, dtype)
     model = make_empty_model(config, device, dtype)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device if device_rng else "cpu").manual_seed(seed)
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     for p in model.parameters():
         if id(p) in norms:
             p.data.fill_(1.0)
         else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            p.data.copy_(torch.randn(p.shape, generator=gen, device=gen.device) * 0.02)
     for name, b in model.named_buffers():
         if b.dtype == torch.uint8 and name.endswith("_blocks"):  # MXFP4 codes: any byte is two valid codes
-            b.copy_(torch.randint(0, 256, b.shape, generator=gen, dtype=torch.uint8))
+            b.copy_(torch.randint(0, 256, b.shape, generator=gen, device=gen.device, dtype=torch.uint8))
         elif b.dtype == torch.uint8 and name.endswith("_scales"):  # 2^-7: values of std ~0.02, like the rest
             b.fill_(120)
     return model

@@ -1,0 +1,64 @@
+"""`load_format="dummy"`: real shapes with random weights in the checkpoint's precision (minakv/presets/real.py),
+nothing read from disk. The real configs give the published parameter counts; a small config in a folder
+runs end to end, with GPT-OSS experts resident as MXFP4 bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from minakv import Engine, SamplingParams
+from minakv.model import MODEL_CLASSES, ModelConfig
+from minakv.presets.real import REAL_CONFIGS, real_config
+
+
+def parameters(name: str) -> float:
+    """Weights of the real model, counted on the meta device (an MXFP4 byte holds two)."""
+    config = ModelConfig.from_hf(REAL_CONFIGS[name])
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.arch](config)
+    dense = sum(p.numel() for p in model.parameters())
+    packed = sum(2 * b.numel() for n, b in model.named_buffers() if n.endswith("_blocks"))
+    return (dense + packed) / 1e9
+
+
+@pytest.mark.parametrize(
+    "name,billions", [("gpt-oss-20b", 20.91), ("gpt-oss-120b", 116.83), ("minimax-m2", 228.7)]
+)
+def test_real_shapes_have_the_published_sizes(name: str, billions: float) -> None:
+    assert parameters(name) == pytest.approx(billions, rel=0.01)  # model cards (MiniMax-M2: without MTP)
+
+
+def test_hub_ids_name_the_same_shapes() -> None:
+    assert real_config("openai/gpt-oss-120b") is REAL_CONFIGS["gpt-oss-120b"]
+    assert real_config("no/such-model") is None
+
+
+def small(tmp_path: Path) -> Path:
+    c = dict(REAL_CONFIGS["gpt-oss-20b"])
+    c.update(num_hidden_layers=2, num_local_experts=4, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    return tmp_path
+
+
+def test_a_dummy_engine_runs_with_packed_experts(tmp_path: Path) -> None:
+    path = small(tmp_path)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = [Engine(str(path), load_format="dummy", kv_cache_tokens=256).generate([[1, 2, 3, 4]], params)[0]
+            for _ in range(2)]  # fmt: skip
+    assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == 6  # seeded: same weights
+    engine = Engine(str(path), load_format="dummy", kv_cache_tokens=256)
+    experts = engine.model.layers[0].mlp.experts
+    assert experts.packed and experts.gate_up_blocks.dtype == torch.uint8
+    assert not hasattr(experts, "gate_up")  # no dense copy of the experts anywhere
+
+
+def test_unknown_models_are_refused() -> None:
+    with pytest.raises(ValueError, match="load_format='dummy' needs"):
+        Engine("not-a-model", load_format="dummy")
+    with pytest.raises(ValueError, match="load_format"):
+        Engine("tiny-gpt-oss", load_format="mmap")
