@@ -1,0 +1,220 @@
+"""MXFP4 (W4A16) mixture-of-experts: the experts' weights stay packed, 4 bits each, and are dequantized in
+registers inside the GEMMs (minakv/ops/mxfp4_tile.py has the layout and the unpacking).
+
+Why: decode is bound by the bytes of the chosen experts' weights. In MXFP4 an expert row of 2880 inputs
+is 1,440 bytes plus 90 scale bytes, against 5,760 in bf16: 3.8x fewer bytes per step, and gpt-oss-120b
+(61 GB packed, 234 GB in bf16) fits on one GPU.
+
+`moe_mxfp4` computes the same function as `moe_loop` (minakv/ops/moe.py) on `dequantize_mxfp4` of the
+same weights, and picks one of two paths:
+
+  few pairs (decode)    `moe_mxfp4_fused`, below: the two kernels of fused_moe.py with a packed weight
+                        tile. Each program owns (expert, block of output columns), finds its expert's
+                        pairs by scanning the id list (no sort), and reads its packed tile once:
+
+      pairs  p0 p1 p2 p3 | p4 ...          kernel 1 (e, n..n+BN of I):  gate, up tiles of the same
+      ids    3  0  7  1  | 3  ...             columns -> bias -> activation, in registers -> h[p, n:]
+                                           kernel 2 (e, n..n+BN of H):  h @ down^T + bias, x weight(p)
+                                              -> y[p, n:] in fp32;  out[t] = sum over t's k slots
+
+  many pairs (prefill)  `moe_mxfp4_grouped` (minakv/ops/mxfp4_grouped.py): pairs sorted by expert, a
+                        grouped GEMM over tiles of BLOCK_M rows of one expert, grouping built on the device.
+
+Both end with a plain sum over each token's k slots (no atomics: deterministic) and neither syncs with
+the host, so a decode step stays capturable in a CUDA graph. CPU tensors (outside the tests that run
+Triton interpreted) take `moe_mxfp4_ref`: dequantize, then the per-expert loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minakv.model.quant import dequantize_mxfp4
+from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
+from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
+from minakv.ops.mxfp4_tile import (
+    ACTIVATIONS,
+    activate_tile,
+    dot_dtypes,
+    dot_wt,
+    load_mxfp4_tile,
+    packed_rows,
+    packed_shapes,
+)
+from minakv.ops.triton_util import use_triton
+
+# the fused kernels up to this many (token, slot) pairs (their id scan grows with them); then the grouped GEMM
+FUSED_MAX_PAIRS = 512
+
+
+def moe_mxfp4(
+    x: torch.Tensor,  # [T, H] bf16 / fp16 / fp32
+    w: dict[
+        str, torch.Tensor
+    ],  # gate_up_blocks/_scales [E, 2I, H/32(, 16)], down_blocks/_scales [E, H, I/32(, 16)]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    topk_ids: torch.Tensor,  # [T, k]
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I], gate/up "halves" like the packed rows
+    down_bias: torch.Tensor | None = None,  # [E, H]
+    activation: str = "silu",
+    limit: float = 7.0,
+    alpha: float = 1.702,
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype, the experts packed."""
+    args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
+    if not use_triton(x):
+        return moe_mxfp4_ref(*args)
+    if topk_ids.numel() <= FUSED_MAX_PAIRS:
+        return moe_mxfp4_fused(*args)
+    return moe_mxfp4_grouped(*args)
+
+
+def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
+                  limit=7.0, alpha=1.702) -> torch.Tensor:  # fmt: skip
+    """The torch path: dequantize to x's dtype, then `moe_loop` (syncs with the host; for CPU)."""
+    from minakv.ops.moe import moe_loop  # here, not at the top: moe.py may dispatch to this module
+
+    packed_shapes(x, w, topk_ids, activation)
+    gate_up = dequantize_mxfp4(w["gate_up_blocks"], w["gate_up_scales"], x.dtype)
+    down = dequantize_mxfp4(w["down_blocks"], w["down_scales"], x.dtype)
+    return moe_loop(
+        x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha
+    )
+
+
+def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
+                    limit=7.0, alpha=1.702, *, block_m: int | None = None, block_n: int = 32,
+                    block_k: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+    """The decode path: two kernels, each chosen expert's packed weights read once. The keyword-only knobs
+    are for benchmarks and tests (block_k: a multiple of 32)."""
+    num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
+    num_tokens, k = topk_ids.shape
+    num_pairs = num_tokens * k
+    if block_m is None:  # twice the average rows per expert (most experts in one pass), >= a tensor-core tile
+        block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(2 * num_pairs, num_experts))))
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    pairs_pad = max(16, triton.next_power_of_2(num_pairs))
+    bf16, f32_dot = dot_dtypes(x)
+    dummy = ids  # any pointer, for absent biases
+    gub, gus, db, ds = (w[key] for key in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"))
+    meta = {
+        "PAIRS_PAD": pairs_pad,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "BF16": bf16,
+        "F32_DOT": f32_dot,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+    }
+
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
+        x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h,
+        num_pairs, hidden, inter, k, float(limit), float(alpha),
+        x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0), gus.stride(1),
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
+        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], **meta,
+    )  # fmt: skip
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _down_kernel[(num_experts, triton.cdiv(hidden, block_n))](
+        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y,
+        num_pairs, inter, hidden, h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
+        down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
+        HAS_BIAS=down_bias is not None, **meta,
+    )  # fmt: skip
+    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr,
+    num_pairs, H, I, TOPK, limit, alpha,
+    stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    expert = tl.program_id(0)
+    mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
+    if count == 0:
+        return
+    offs_n, n_ok, gate_b, gate_s = packed_rows(
+        wb_ptr,
+        ws_ptr,
+        expert,
+        tl.program_id(1) * BLOCK_N,
+        I,
+        stride_be,
+        stride_bn,
+        stride_se,
+        stride_sn,
+        BLOCK_N,
+    )
+    up_b, up_s = gate_b + I * stride_bn, gate_s + I * stride_sn  # up rows I + n: the same columns of h
+    if HAS_BIAS:
+        b_gate = tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        b_up = tl.load(b_ptr + expert * stride_bias + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for m0 in range(0, count, BLOCK_M):
+        m_ok = m0 + tl.arange(0, BLOCK_M) < count
+        pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)
+        x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            a = tl.load(x_rows + k0, mask=m_ok[:, None] & (k0 + offs_k < H)[None, :], other=0.0)
+            acc_gate = dot_wt(
+                a, load_mxfp4_tile(gate_b, gate_s, n_ok, k0, H, BLOCK_K, BF16), acc_gate, F32_DOT
+            )
+            acc_up = dot_wt(a, load_mxfp4_tile(up_b, up_s, n_ok, k0, H, BLOCK_K, BF16), acc_up, F32_DOT)
+        if HAS_BIAS:
+            acc_gate += b_gate[None, :]
+            acc_up += b_up[None, :]
+        act = activate_tile(acc_gate, acc_up, limit, alpha, ACT)
+        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+        tl.store(h_rows, act.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr,
+    num_pairs, I, H, stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
+    HAS_BIAS: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    expert = tl.program_id(0)
+    mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
+    if count == 0:
+        return
+    offs_n, n_ok, w_b, w_s = packed_rows(
+        wb_ptr,
+        ws_ptr,
+        expert,
+        tl.program_id(1) * BLOCK_N,
+        H,
+        stride_be,
+        stride_bn,
+        stride_se,
+        stride_sn,
+        BLOCK_N,
+    )
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for m0 in range(0, count, BLOCK_M):
+        m_ok = m0 + tl.arange(0, BLOCK_M) < count
+        pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)
+        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            a = tl.load(h_rows + k0, mask=m_ok[:, None] & (k0 + offs_k < I)[None, :], other=0.0)
+            acc = dot_wt(a, load_mxfp4_tile(w_b, w_s, n_ok, k0, I, BLOCK_K, BF16), acc, F32_DOT)
+        if HAS_BIAS:
+            acc += bias[None, :]
+        acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
+        y_rows = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+        tl.store(y_rows, acc, mask=m_ok[:, None] & n_ok[None, :])

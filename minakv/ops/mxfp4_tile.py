@@ -1,0 +1,157 @@
+"""MXFP4 weights dequantized in registers: what both MXFP4 MoE paths (mxfp4_moe.py, mxfp4_grouped.py) share.
+
+The packed layout (minakv/model/quant.py), one expert, one output row n of a weight W [out, in]:
+
+    blocks u8 [E, out, in/32, 16]      row n:  | b0 b1 ... b15 | b16 ... b31 | ...   in/2 bytes
+                                                 group 0         group 1
+    byte j = (W[n, 2j + 1] << 4) | W[n, 2j]    two FP4 E2M1 codes, the LOW nibble is the even element
+    scales u8 [E, out, in/32]          row n:  | s0 | s1 | ...   one E8M0 exponent per group of 32
+
+    W[n, k] = fp4(code of k) * 2^(s[n, k // 32] - 127)
+
+So a row's bytes are contiguous (group g's 16 bytes come right after group g-1's), and the weight tile for
+output rows n..n+BN and inputs k0..k0+BK is a plain [BN, BK/2] byte tile plus a [BN, BK/32] scale tile:
+a quarter of the bf16 tile's bytes and 1/64 more for the scales. `load_mxfp4_tile` loads both and
+expands them in registers, the weights never exist in bf16 in memory:
+
+    bytes [BN, BK/2] --& 0xF--> even codes --+
+                     --  >> 4-> odd codes  --+-- interleave --> codes [BN, BK] -- e2m1 --> values
+    values.reshape(BN, BK/32, 32) * 2^(scales - 127)[:, :, None] --> W tile [BN, BK]
+
+E2M1 (sign, 2 exponent bits, 1 mantissa bit; bias 1) decodes by building the float's bits, no table:
+magnitude code m = e1 e0 m0 is 0, 0.5, 1, 1.5, 2, 3, 4, 6. For m >= 2 the code's bits are already an
+exponent and a mantissa: shift them under the target format's mantissa and re-bias (+126), e.g. in bf16
+`(m << 6) + (126 << 7)`. m = 1 (0.5, a subnormal in E2M1) and m = 0 are set apart by two selects.
+The E8M0 scale is a bare exponent byte, so 2^(s - 127) is `s << 23` as an fp32 (`s << 7` as a bf16).
+Both are exact: every FP4 value times a power of two is a bf16, so the dequantized tile equals
+`dequantize_mxfp4` of the same bytes bit for bit (up to overflow).
+
+K (the `in` dim) is a multiple of 32 by the format, not of the tile's BK (gpt-oss: 2880 = 90 * 32):
+the tail tile is masked per byte and per group, masked bytes read 0 (the value 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minakv.ops.triton_util import check, interpreting
+
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+KEYS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
+
+
+def packed_shapes(x: torch.Tensor, w: dict[str, torch.Tensor], topk_ids: torch.Tensor, activation: str):
+    """Validate the packed experts against x -> (num_experts, hidden H, intermediate I)."""
+    check(
+        activation in ACTIVATIONS, f"unknown MoE activation {activation!r} (expected 'silu' or 'swiglu_oai')"
+    )
+    missing = [key for key in KEYS if key not in w]
+    check(not missing, f"packed MXFP4 experts lack {missing} (expected keys {KEYS})")
+    gate_up, down = w["gate_up_blocks"], w["down_blocks"]
+    check(gate_up.dim() == 4 and down.dim() == 4, "MXFP4 blocks must be [E, out, in/32, 16]")
+    num_experts, two_i, h_groups, _ = gate_up.shape
+    hidden, inter = h_groups * 32, two_i // 2
+    check(
+        x.dim() == 2 and x.shape[1] == hidden,
+        f"x is {tuple(x.shape)}, expected [T, {hidden}]: MXFP4 needs the hidden size to be a multiple of 32",
+    )
+    check(
+        inter % 32 == 0 and down.shape == (num_experts, hidden, inter // 32, 16),
+        f"down_blocks is {tuple(down.shape)}, expected ({num_experts}, {hidden}, {inter // 32}, 16): "
+        f"MXFP4 needs the intermediate size ({inter}) to be a multiple of 32",
+    )
+    for name in KEYS:
+        t = w[name]
+        check(t.dtype == torch.uint8, f"{name} must be uint8, got {t.dtype}")
+        blocks = w[name.replace("scales", "blocks")]
+        check(t.shape[:3] == blocks.shape[:3], f"{name} is {tuple(t.shape)}, blocks {tuple(blocks.shape)}")
+        # the kernels walk a row's bytes (and scales) with unit stride
+        inner = (16, 1) if name.endswith("blocks") else (1,)
+        check(t.stride()[2:] == inner, f"{name} must be contiguous in its last dims, strides {t.stride()}")
+    check(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0], f"topk_ids is {tuple(topk_ids.shape)}")
+    return num_experts, hidden, inter
+
+
+def dot_dtypes(x: torch.Tensor) -> tuple[bool, bool]:
+    """(dequantize straight to bf16, take the fp32 dot) for activations x. bf16 on the GPU: the tile is
+    built in bf16 (a cvt less per weight). fp32, or the interpreter (which multiplies bf16 dots wrongly,
+    see triton_util.interpreting): fp32 tiles and an exact fp32 dot. fp16: fp32 tiles cast to fp16."""
+    f32_dot = x.dtype == torch.float32 or interpreting()
+    return x.dtype == torch.bfloat16 and not f32_dot, f32_dot
+
+
+@triton.jit
+def e2m1_values(codes, BF16: tl.constexpr):
+    """FP4 E2M1 codes (u8, 0..15) -> their values in bf16 or fp32, by building the bits."""
+    if BF16:
+        c = codes.to(tl.uint16)
+        mag = c & 7
+        bits = (mag << 6) + (126 << 7)
+        bits = tl.where(mag < 2, tl.where(mag == 1, 126 << 7, 0), bits)  # 0.5 is 2^-1, 0 is all zeros
+        return (bits | ((c & 8) << 12)).to(tl.bfloat16, bitcast=True)
+    c = codes.to(tl.uint32)
+    mag = c & 7
+    bits = (mag << 22) + (126 << 23)
+    bits = tl.where(mag < 2, tl.where(mag == 1, 126 << 23, 0), bits)
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_values(scales, BF16: tl.constexpr):
+    """E8M0 exponent bytes s -> 2^(s - 127) in bf16 or fp32 (s = 0 is the subnormal 2^-127)."""
+    if BF16:
+        bits = tl.where(scales == 0, 0x0040, scales.to(tl.uint16) << 7)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    bits = tl.where(scales == 0, 0x00400000, scales.to(tl.uint32) << 23)
+    return bits.to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def packed_rows(blocks_ptr, scales_ptr, expert, n0, N, stride_be, stride_bn, stride_se, stride_sn,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """Output columns n0 .. n0 + BLOCK_N - 1 (and which are < N), with the [BLOCK_N, 1] pointers to the
+    expert's packed rows for them (weights stored (out, in): a row per output column)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    e = expert.to(tl.int64)
+    byte_rows = blocks_ptr + e * stride_be + offs_n[:, None] * stride_bn
+    scale_rows = scales_ptr + e * stride_se + offs_n[:, None] * stride_sn
+    return offs_n, offs_n < N, byte_rows, scale_rows
+
+
+@triton.jit
+def load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+    """W[rows, k0 : k0 + BLOCK_K] dequantized -> [BN, BLOCK_K] (0 past K and on masked rows).
+
+    byte_rows / scale_rows: [BN, 1] pointers to the first byte / scale of each output row."""
+    tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
+    BN: tl.constexpr = byte_rows.shape[0]
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(byte_rows + offs_b[None, :], mask=row_ok[:, None] & (offs_b < K // 2)[None, :], other=0)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(
+        scale_rows + offs_g[None, :], mask=row_ok[:, None] & (offs_g < K // 32)[None, :], other=127
+    )
+    values = tl.interleave(e2m1_values(packed & 0xF, BF16), e2m1_values(packed >> 4, BF16))
+    values = tl.reshape(values, (BN, BLOCK_K // 32, 32)) * e8m0_values(scale, BF16)[:, :, None]
+    return tl.reshape(values, (BN, BLOCK_K))
+
+
+@triton.jit
+def dot_wt(a, w, acc, F32_DOT: tl.constexpr):
+    """acc + a @ w^T, w a dequantized (out, in) tile."""
+    if F32_DOT:  # fp32 activations (or the interpreter): exact fp32 products, not tf32
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+
+
+@triton.jit
+def activate_tile(gate, up, limit, alpha, ACT: tl.constexpr):
+    """The expert's activation on fp32 gate / up tiles of the same columns (minakv.ops.moe.activate)."""
+    if ACT == 0:  # silu(gate) * up
+        return gate * tl.sigmoid(gate) * up
+    # GPT-OSS: gate clamped from above, up on both sides, and the "+1" on up
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1.0) * gate * tl.sigmoid(alpha * gate)

@@ -1,0 +1,217 @@
+"""The MXFP4 MoE kernels (minakv/ops/mxfp4_moe.py, mxfp4_grouped.py) against the float64 reference on
+`dequantize_mxfp4` of the same packed weights: in Triton's CPU interpreter at tiny shapes (fp32 tiles and
+dots there), and on the GPU at the gpt-oss-20b expert shape in bf16 beside the bf16 paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from helpers.models import moe_reference
+from helpers.triton import interpreted
+
+from minakv.model.quant import dequantize_mxfp4, quantize_mxfp4
+from minakv.ops import mxfp4_moe
+from minakv.ops.moe import route_softmax_topk
+from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
+from minakv.ops.mxfp4_moe import moe_mxfp4, moe_mxfp4_fused, moe_mxfp4_ref
+from minakv.ops.mxfp4_tile import load_mxfp4_tile
+
+LIMIT, ALPHA = 1.0, 1.702  # a small limit so the clamps of swiglu_oai bite
+PATHS = {"fused": moe_mxfp4_fused, "grouped": moe_mxfp4_grouped}
+
+
+def packed(e: int, out: int, inp: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights [e, out, inp] quantized to MXFP4, group magnitudes spread over a few octaves."""
+    w = torch.randn(e, out, inp, generator=gen) * torch.exp2(torch.randint(-4, 1, (e, out, 1), generator=gen))
+    return quantize_mxfp4(w)
+
+
+def case(activation: str, t: int, e: int = 4, h: int = 64, i: int = 64, k: int = 2, seed: int = 0,
+         biases: bool = True):  # fmt: skip
+    """Inputs of moe_mxfp4, and the float64 reference output on the dequantized weights."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen)
+    w = {}
+    w["gate_up_blocks"], w["gate_up_scales"] = packed(e, 2 * i, h, gen)
+    w["down_blocks"], w["down_scales"] = packed(e, h, i, gen)
+    gate_up_bias = torch.randn(e, 2 * i, generator=gen) if biases else None
+    down_bias = torch.randn(e, h, generator=gen) if biases else None
+    weights, ids = route_softmax_topk(torch.randn(t, e, generator=gen), k)
+    args = [x, w, weights, ids, gate_up_bias, down_bias, activation, LIMIT, ALPHA]
+    gate_up = dequantize_mxfp4(w["gate_up_blocks"], w["gate_up_scales"])
+    down = dequantize_mxfp4(w["down_blocks"], w["down_scales"])
+    ref = moe_reference(x, gate_up, down, weights, ids, gate_up_bias, down_bias, activation, LIMIT, ALPHA)
+    return args, ref
+
+
+def assert_matches(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@triton.jit
+def _dequant_kernel(b_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BF16: tl.constexpr):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        tile = load_mxfp4_tile(
+            b_ptr + offs_n[:, None] * (K // 2),
+            s_ptr + offs_n[:, None] * (K // 32),
+            n_ok,
+            k0,
+            K,
+            BLOCK_K,
+            BF16,
+        )
+        mask = n_ok[:, None] & (k0 + offs_k < K)[None, :]
+        tl.store(out_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], tile.to(tl.float32), mask=mask)
+
+
+def check_dequant_exact(device: str, bf16: bool) -> None:
+    """Every byte value under every scale, through the in-register path: equal to dequantize_mxfp4."""
+    rows, groups = 256, 5  # 160 inputs: a tail with BLOCK_K 64
+    blocks = torch.arange(256, dtype=torch.uint8)[:, None, None].expand(rows, groups, 16).contiguous()
+    blocks = blocks.roll(1, dims=1)  # a row's groups differ
+    scales = torch.arange(rows * groups, dtype=torch.int64).reshape(rows, groups) % 256
+    scales = scales.clamp(1 if bf16 else 0, 252).to(
+        torch.uint8
+    )  # 255 is NaN in E8M0; 6 * 2^126 is the largest finite fp32 here
+    if bf16:  # keep clear of bf16 overflow and its subnormals
+        scales = scales.clamp(10, 240)
+    blocks, scales = blocks.to(device), scales.to(device)
+    out = torch.empty(rows, groups * 32, device=device)
+    _dequant_kernel[(triton.cdiv(rows, 32),)](blocks, scales, out, rows, groups * 32, 32, 64, BF16=bf16)
+    assert torch.equal(out.cpu(), dequantize_mxfp4(blocks.cpu(), scales.cpu()))
+
+
+@interpreted
+def test_dequant_tile_is_exact() -> None:
+    check_dequant_exact("cpu", bf16=False)
+
+
+@interpreted
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_paths_match_reference(path: str, activation: str, t: int) -> None:
+    """4 experts, top-2, biases; blocks smaller than the dims (and for grouped, 16 rows: an expert's rows
+    take several tiles at T=17), so every masked edge and loop runs."""
+    args, ref = case(activation, t, seed=t)
+    blocks = {"block_n": 32, "block_k": 32}
+    if path == "grouped":
+        blocks["block_m"] = 16
+    assert_matches(PATHS[path](*args, **blocks), ref)
+
+
+@interpreted
+@pytest.mark.parametrize("path", list(PATHS))
+def test_k_not_a_multiple_of_the_block(path: str) -> None:
+    """H = 96 and I = 160 are multiples of 32 but not of BLOCK_K = 64 (like gpt-oss's 2880 with 128), and
+    I is not a multiple of BLOCK_N = 64 either; no biases."""
+    args, ref = case("swiglu_oai", 5, e=3, h=96, i=160, seed=7, biases=False)
+    assert_matches(PATHS[path](*args, block_n=64, block_k=64), ref)
+
+
+@interpreted
+def test_moe_mxfp4_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors take the dequantize-and-loop reference; with Triton on CPU, few pairs the fused kernels
+    and many pairs (here: more than 4) the grouped GEMM; all three agree."""
+    from minakv.ops import triton_util
+
+    args, ref = case("silu", 3, seed=3)
+    assert_matches(moe_mxfp4(*args), ref)
+    taken = []
+    for name in ("moe_mxfp4_fused", "moe_mxfp4_grouped"):
+        fn = getattr(mxfp4_moe, name)
+        monkeypatch.setattr(mxfp4_moe, name, lambda *a, fn=fn, name=name: taken.append(name) or fn(*a))
+    monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
+    assert_matches(moe_mxfp4(*args), ref)
+    monkeypatch.setattr(mxfp4_moe, "FUSED_MAX_PAIRS", 4)
+    assert_matches(moe_mxfp4(*args), ref)
+    assert taken == ["moe_mxfp4_fused", "moe_mxfp4_grouped"]
+
+
+def test_shapes_are_checked() -> None:
+    args, _ = case("silu", 2)
+    x, w = args[0], args[1]
+    with pytest.raises(ValueError, match="multiple of 32"):
+        moe_mxfp4_ref(x[:, :48], *args[1:])
+    bad = dict(w, down_blocks=w["down_blocks"][:, :, :1])  # I = 64 but down has 32 inputs
+    with pytest.raises(ValueError, match="intermediate size"):
+        moe_mxfp4_ref(x, bad, *args[2:])
+    with pytest.raises(ValueError, match="lack"):
+        moe_mxfp4_ref(x, {k: v for k, v in w.items() if k != "down_scales"}, *args[2:])
+    with pytest.raises(ValueError, match="activation"):
+        moe_mxfp4_ref(*args[:6], "gelu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bf16", [False, True])
+def test_dequant_tile_is_exact_gpu(bf16: bool) -> None:
+    check_dequant_exact("cuda", bf16)
+
+
+def real_shape(tokens: int, e: int = 32, h: int = 2880, i: int = 2880, k: int = 4, seed: int = 0):
+    """gpt-oss-20b's experts at `tokens`, random packed bytes with scales near 2^-7 (weights ~0.02)."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+
+    def rand_packed(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(
+            0, 256, (e, out, inp // 32, 16), generator=gen, device="cuda", dtype=torch.uint8
+        )
+        scales = torch.randint(119, 123, (e, out, inp // 32), generator=gen, device="cuda", dtype=torch.uint8)
+        return blocks, scales
+
+    w = {}
+    w["gate_up_blocks"], w["gate_up_scales"] = rand_packed(2 * i, h)
+    w["down_blocks"], w["down_scales"] = rand_packed(h, i)
+    x = torch.randn(tokens, h, generator=gen, device="cuda").to(torch.bfloat16)
+    weights, ids = route_softmax_topk(torch.randn(tokens, e, generator=gen, device="cuda"), k)
+    biases = [(torch.randn(e, n, generator=gen, device="cuda") * 0.1).to(torch.bfloat16) for n in (2 * i, h)]
+    return x, w, weights, ids, *biases
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_real_shape_gpu(tokens: int) -> None:
+    """bf16 at the gpt-oss-20b expert shape (E=32, H=I=2880, top-4): each MXFP4 path, and the bf16 paths
+    on the dequantized weights, against fp32 `moe_loop` on the same weights; MXFP4 within bf16's error.
+    Also fp32 activations through the MXFP4 kernels (fp32 dots): near exact."""
+    from minakv.ops.fused_moe import moe_fused
+    from minakv.ops.moe import moe_grouped, moe_loop
+
+    x, w, weights, ids, gub, db = real_shape(tokens)
+    gate_up = dequantize_mxfp4(w["gate_up_blocks"], w["gate_up_scales"], torch.float32)
+    down = dequantize_mxfp4(w["down_blocks"], w["down_scales"], torch.float32)
+    act = ("swiglu_oai", 7.0, 1.702)
+    ref = moe_loop(x.float(), gate_up, down, weights, ids, gub.float(), db.float(), *act).double()
+
+    def err(out: torch.Tensor) -> float:
+        assert out.shape == ref.shape and torch.isfinite(out).all()
+        return float((out.double() - ref).norm() / ref.norm())
+
+    errs = {"mxfp4": err(moe_mxfp4(x, w, weights, ids, gub, db, *act))}
+    errs["mxfp4 grouped"] = err(moe_mxfp4_grouped(x, w, weights, ids, gub, db, *act))
+    errs["mxfp4 fp32"] = err(moe_mxfp4_grouped(x.float(), w, weights, ids, gub.float(), db.float(), *act))
+    if tokens * 4 <= 1024:  # the fused kernels' id scan is sized for decode batches
+        errs["mxfp4 fused"] = err(moe_mxfp4_fused(x, w, weights, ids, gub, db, *act))
+        errs["mxfp4 fused fp32"] = err(
+            moe_mxfp4_fused(x.float(), w, weights, ids, gub.float(), db.float(), *act)
+        )
+    gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
+    errs["bf16 grouped"] = err(moe_grouped(x, gate_up, down, weights, ids, gub, db, *act))
+    if tokens * 4 <= 1024:
+        errs["bf16 fused"] = err(moe_fused(x, gate_up, down, weights, ids, gub, db, *act))
+    print(f"T={tokens} relative errors vs fp32: {errs}")
+    bf16_err = max(v for name, v in errs.items() if name.startswith("bf16"))
+    for name, v in errs.items():
+        if name.endswith("fp32"):
+            assert v < 1e-5, (name, v)
+        elif name.startswith("mxfp4"):
+            assert v < 1e-2 and v < 2 * bf16_err + 1e-3, (name, v, bf16_err)
