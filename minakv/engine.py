@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -110,6 +110,8 @@ class Engine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._inflight: tuple[ForwardBatch, Launched] | None = None  # the step the device is running
+        self._closing = False  # shutdown() began: no new requests
+        self._stopped = False  # the background loop must exit
 
     # ----- synchronous use -----
     def generate(
@@ -124,6 +126,8 @@ class Engine:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        if self._closing:
+            raise Overloaded("the engine is shutting down")
         requests = [self._make(p, sp) for p, sp in zip(prompts, params_list)]
         if self._thread is not None:  # the background loop owns the scheduler: go through it
             return asyncio.run(self._generate_async(requests))
@@ -172,6 +176,8 @@ class Engine:
     async def _stream_request(self, request: Request) -> AsyncIterator[RequestOutput]:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._closing:
+                raise Overloaded("the engine is shutting down")
             if len(self._inbox) + self.scheduler.num_waiting >= self.config.max_queued_requests:
                 raise Overloaded(f"{self.config.max_queued_requests} requests are already waiting")
             self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
@@ -196,6 +202,38 @@ class Engine:
         if self._thread is None:  # no background loop: apply it now
             self._drain()
         self._wake.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests (submitting raises `Overloaded`), let those in flight finish for up to
+        `timeout` seconds, end the rest (reason "error", saying the engine shut down; streams get that final
+        output) and stop the background thread. Idempotent; the engine is not usable afterwards."""
+        with self._lock:
+            self._closing = True
+        deadline = time.monotonic() + timeout
+        while self._thread is not None and time.monotonic() < deadline:
+            with self._lock:
+                busy = bool(self._inbox) or self.scheduler.has_work()
+            if not busy:
+                break
+            time.sleep(0.02)
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._step_lock:
+            self._inflight = None
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+            for r in inbox:
+                self.scheduler.add(r)
+            ended = self.scheduler.fail_all("the engine shut down") if self.scheduler.has_work() else []
+        self._deliver(ended)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def arch(self) -> str:
@@ -258,7 +296,7 @@ class Engine:
             return [r for r in map(self.scheduler.abort, aborts) if r is not None]
 
     def _loop(self) -> None:
-        while True:
+        while not self._stopped:
             changed = self._drain()
             if self.scheduler.has_work():
                 try:
@@ -272,15 +310,22 @@ class Engine:
             elif not changed:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
-            for r in changed:
-                with self._lock:
-                    target = self._streams.get(r.request_id)
-                if target is None:
-                    continue
-                loop, queue = target
-                out = r.output(incremental=True)
-                if out.token_ids or out.text or out.finish_reason is not None:
+            self._deliver(changed)
+
+    def _deliver(self, changed: list[Request]) -> None:
+        """Hand each changed request's news to its stream (on the stream's own event loop)."""
+        for r in changed:
+            with self._lock:
+                target = self._streams.get(r.request_id)
+            if target is None:
+                continue
+            loop, queue = target
+            out = r.output(incremental=True)
+            if out.token_ids or out.text or out.finish_reason is not None:
+                try:
                     loop.call_soon_threadsafe(queue.put_nowait, out)
+                except RuntimeError:  # that event loop is closed: its caller is gone
+                    pass
 
 
 def _progress(total: int):
