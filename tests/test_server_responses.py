@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-from helpers.server import ServerThread, wait_idle
+from helpers.server import ServerThread, hand_thinking_drop, wait_idle
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -206,6 +206,12 @@ def test_cache_drop_rides_along(served) -> None:
         assert details["drop_skipped_tokens"] == again.drop_skipped_tokens
     streamed = check_events(sse(served.url, request_body(served.model, cache=ops)))
     assert texts(streamed["output"]) == want
+    # thinking_drop: the reasoning item's text leaves the cache at the end of its assistant message
+    prompt, length = hand_thinking_drop(served.engine.tokenizer, MESSAGES, 2, "use the tool", [CHAT_WEATHER])
+    _, want = reference(served.engine, prompt, 6)
+    body = request_body(served.model)
+    resp = served.client.responses.create(**body, extra_body={"drop_rule": {"type": "thinking_drop"}})
+    assert texts(resp.output) == want and resp.usage.input_tokens == length
     # a drop past the last message is a future event; a drop after its trigger names the field
     with pytest.raises(openai.BadRequestError) as info:
         served.client.responses.create(
