@@ -1,0 +1,166 @@
+"""FP8 MoE for many tokens (prefill): a grouped GEMM over the (token, slot) pairs sorted by expert, the FP8
+weight tile going into the dot raw and its block scale applied to the result (minakv/ops/fp8_tile.py).
+
+At prefill each expert gets tens to hundreds of rows, so the GEMMs are worth tiling for M: a program takes
+BLOCK_M rows of ONE expert. The grouping is built on the device, with no host sync:
+
+    ids of the pairs (T*k)     3 0 3 1 0 3 ...
+    sort (stable)       ->     order: pairs of expert 0 | expert 1 | expert 2 (none) | expert 3 ...
+    counts [E]                 c0          c1            0                      c3
+    starts [E]                 where each expert's rows begin in `order` (exclusive prefix sum)
+    tile_ends [E]              prefix sum of ceil(c_e / BLOCK_M): expert e owns tiles tile_ends[e-1] ..
+
+    grid: (upper bound of tiles) x (column blocks)    the bound ceil(P / BLOCK_M) + min(E, P) is known on
+                                                      the host (each expert wastes at most one partial
+                                                      tile); programs past the last real tile return.
+
+A program finds its tile's expert by counting the tile_ends <= its tile (E is at most a few hundred), then:
+
+  kernel 1 (tile, columns n.. of I): x rows of its pairs @ (gate | up)^T + bias -> activation -> h (sorted)
+  kernel 2 (tile, columns n.. of H): h rows @ down^T + bias, times the routing weight -> y[pair] in fp32
+
+and out[t] = the plain sum of y over t's k slots, as in the fused path. Programs are numbered tile-major
+(a tile's column blocks run side by side), so a tile's activation rows are read from L2, and an expert's
+consecutive tiles reuse its weights from L2 too. (The grouping is the MXFP4 grouped path's, mxfp4_grouped.py;
+only the weight tile differs.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minakv.ops.fp8_tile import ACTIVATIONS, activate_tile, expert_shapes, f32_dot, fp8_rows, scaled_dot
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Pairs sorted by expert, on the device -> (order, counts, starts, tile_ends, max_tiles)."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # scatter_add counts without the host sync that sizing a bincount needs
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    tile_ends = torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32)
+    num_pairs = flat.numel()
+    max_tiles = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    return order, counts, starts, tile_ends, max_tiles
+
+
+def moe_fp8_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
+                    limit=7.0, alpha=1.702, *, block_m: int = 64, block_n: int = 128, block_k: int = 64,
+                    num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+    """The prefill path: tiles of block_m rows of one expert. The keyword-only knobs are for benchmarks and
+    tests (block_k divides 128)."""
+    num_experts, hidden, inter = expert_shapes(x, w, topk_ids, activation)
+    num_tokens, k = topk_ids.shape
+    num_pairs = num_tokens * k
+    order, counts, starts, tile_ends, max_tiles = group_by_expert(topk_ids, num_experts, block_m)
+    x = x.contiguous()
+    gu, db = w["gate_up"], w["down"]
+    gus, ds = w["gate_up_scale_inv"].contiguous(), w["down_scale_inv"].contiguous()
+    dummy = counts  # any pointer, for absent biases
+    meta = {"E_PAD": triton.next_power_of_2(num_experts), "BLOCK_M": block_m, "BLOCK_N": block_n,
+            "BLOCK_K": block_k, "F32_DOT": f32_dot(x), "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
+    plan = (order, counts, starts, tile_ends, num_experts)
+
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # rows in sorted order
+    _gate_up_kernel[(max_tiles * triton.cdiv(inter, block_n),)](
+        x, gu, gus, gate_up_bias if gate_up_bias is not None else dummy, *plan, h,
+        hidden, inter, gus.shape[1] // 2, k, float(limit), float(alpha),
+        x.stride(0), gu.stride(0), gu.stride(1), gus.stride(0), gus.stride(1),
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
+        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], **meta,
+    )  # fmt: skip
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # rows in pair order
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _down_kernel[(max_tiles * triton.cdiv(hidden, block_n),)](
+        h, db, ds, down_bias if down_bias is not None else dummy, *plan, weights, y,
+        inter, hidden, h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
+        down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
+        HAS_BIAS=down_bias is not None, **meta,
+    )  # fmt: skip
+    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+
+
+@triton.jit
+def _my_tile(order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, N,
+             E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """This program's tile -> (expert (num_experts past the last tile), first column, rows in sorted
+    order [BLOCK_M], their pair indices, which rows are real)."""
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0) // n_blocks
+    offs_e = tl.arange(0, E_PAD)
+    ends = tl.load(tile_ends_ptr + offs_e, mask=offs_e < num_experts, other=2**30)
+    expert = tl.sum((ends <= tile).to(tl.int32), 0)  # experts whose tiles all come before this one
+    e = tl.minimum(expert, num_experts - 1)  # keep the loads in bounds; the caller returns past the end
+    first_tile = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)
+    offs_m = (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < tl.load(counts_ptr + e)
+    rows = tl.load(starts_ptr + e) + offs_m
+    pair = tl.load(order_ptr + rows, mask=m_ok, other=0)
+    return expert, (tl.program_id(0) % n_blocks) * BLOCK_N, rows, pair, m_ok
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, h_ptr,
+    H, I, UP_SCALE_ROW, TOPK, limit, alpha,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_h,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    expert, n0, rows, pair, m_ok = _my_tile(
+        order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, I, E_PAD, BLOCK_M, BLOCK_N
+    )
+    if expert >= num_experts:
+        return
+    e = expert.to(tl.int64)
+    offs_n, n_ok, gate_w, gate_s = fp8_rows(w_ptr + e * stride_we, s_ptr + e * stride_se, n0, I,
+                                            stride_wn, stride_sn, BLOCK_N)  # fmt: skip
+    # up rows I + n: the same columns of h as gate rows n, scales from the up half's grid
+    up_w, up_s = gate_w + I * stride_wn, gate_s + UP_SCALE_ROW * stride_sn
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        a = tl.load(x_rows + k0, mask=m_ok[:, None] & (k0 + offs_k < H)[None, :], other=0.0)
+        acc_gate = scaled_dot(a, gate_w, gate_s, n_ok, k0, H, acc_gate, BLOCK_K, F32_DOT)
+        acc_up = scaled_dot(a, up_w, up_s, n_ok, k0, H, acc_up, BLOCK_K, F32_DOT)
+    if HAS_BIAS:
+        bias = b_ptr + expert * stride_bias + offs_n
+        acc_gate += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias + I, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    act = activate_tile(acc_gate, acc_up, limit, alpha, ACT)
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+    tl.store(h_rows, act.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, s_ptr, b_ptr, order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts,
+    weights_ptr, y_ptr, I, H, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_y,
+    HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    expert, n0, rows, pair, m_ok = _my_tile(
+        order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, H, E_PAD, BLOCK_M, BLOCK_N
+    )
+    if expert >= num_experts:
+        return
+    e = expert.to(tl.int64)
+    offs_n, n_ok, w_rows, s_rows = fp8_rows(w_ptr + e * stride_we, s_ptr + e * stride_se, n0, H,
+                                            stride_wn, stride_sn, BLOCK_N)  # fmt: skip
+    offs_k = tl.arange(0, BLOCK_K)
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a = tl.load(h_rows + k0, mask=m_ok[:, None] & (k0 + offs_k < I)[None, :], other=0.0)
+        acc = scaled_dot(a, w_rows, s_rows, n_ok, k0, I, acc, BLOCK_K, F32_DOT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
+    y_rows = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+    tl.store(y_rows, acc, mask=m_ok[:, None] & n_ok[None, :])
