@@ -303,10 +303,10 @@ class Engine:
                     with self._step_lock:
                         changed += self.step()
                 except Exception as exc:
-                    logger.exception("engine step failed; failing the running requests")
+                    logger.exception("engine step failed; its requests are retried one by one")
                     with self._step_lock:
-                        self._inflight = None
-                        changed += self.scheduler.fail_all(f"internal error: {exc!r}")
+                        self._inflight = None  # its tokens are lost; the requests sample them again
+                        changed += self.scheduler.quarantine(f"internal error: {exc!r}")
             elif not changed:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

@@ -81,14 +81,14 @@ def model():
         SamplingParams(
             max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5
         ),
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.8),
     ],
 )
 def test_engine_penalties_match_the_formulas_on_oracle_logits(model, p: SamplingParams) -> None:
     segments = [[5, 9, 9, 17, 3, 5, 40, 41], [7, 7, 7, 8]]
     engine = Engine(model, page_size=4, kv_cache_tokens=512, max_num_batched_tokens=64)
     others = [{"message_tokens": [[i, i + 1, i + 2]]} for i in range(3)]  # batch neighbours without penalties
-    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = engine.generate([{"message_tokens": segments}, *others], [p, plain, plain, plain])
     tokens = outs[0].token_ids
     run = oracle_run(model, segments, {}, tokens)

@@ -63,6 +63,7 @@ class Request:
     decode_keys: list[int] = field(default_factory=list)  # entries the next generated token reads
     row: int = -1  # the request's row of the worker's key table (its decode keys on the device), or -1
     row_len: int = 0  # how many of decode_keys the row holds
+    suspect: bool = False  # it was in a step that raised: it runs alone until one step of it succeeds
     shared: bool = False  # its computed prompt pages are in the cache already (published at its first token)
     penalty_row: int = -1  # the request's row of the worker's penalty tables (penalised requests), or -1
     next_pos: int = 0  # position of the next generated token

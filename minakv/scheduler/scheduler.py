@@ -78,6 +78,23 @@ class Scheduler:
             self._finish(r, "error")
         return failed
 
+    def quarantine(self, message: str) -> list[Request]:
+        """After a step raised: nobody knows which request caused it, so every running request goes back to
+        the waiting queue as a suspect, keeping its output so far but publishing nothing of the failed steps
+        (their KV may be half written), and each suspect then runs alone; a suspect that fails alone is the
+        cause and ends with `message` (returned). The others continue as if preempted."""
+        culprits = [r for r in self.running if r.suspect]  # running alone when it failed
+        for r in culprits:
+            r.error = message
+            self._finish(r, "error")
+        for r in self.waiting:  # tokens of preempted requests still on the device are lost too
+            r.pending = 0
+        for r in reversed(list(self.running)):
+            self._release(r, publish=False)
+            r.status, r.plan, r.shared, r.pending, r.suspect = Status.WAITING, None, False, 0, True
+            self.waiting.appendleft(r)
+        return culprits
+
     # ----- one step: schedule, (the worker runs the batch), update -----
     def schedule(self) -> ForwardBatch:
         """Admit what fits and build the next forward batch (it may be empty: nothing to compute). The
@@ -111,6 +128,7 @@ class Scheduler:
             if r.status is Status.FINISHED:  # ended while this step ran (abort, or a token of the last step)
                 continue
             self.counters["output_tokens"] += 1
+            r.suspect = False  # a step of it succeeded alone: it rejoins the batch
             if apply_token(r, token, logprob, self.tokenizer, self.max_model_len):
                 self._finish(r, r.finish_reason)
             elif r.status is Status.RUNNING and not r.shared and r.cursor >= len(r.todo):
@@ -239,6 +257,8 @@ class Scheduler:
             r = self.waiting[0]
             if queued >= self.config.max_num_batched_tokens or r.pending:
                 break  # (a request preempted just now may still have a token on the device: plan it after)
+            if any(x.suspect for x in self.running) or (r.suspect and self.running):
+                break  # a suspect runs alone (see quarantine)
             if r.plan is None:
                 self._plan(r)
             a = admission(r, self.kv)
@@ -288,17 +308,18 @@ class Scheduler:
         self.kv.publish(publish)
         r.shared = True
 
-    def _release(self, r: Request) -> None:
-        """Publish r's computed full pages to the cache and drop r's hold on all its pages."""
+    def _release(self, r: Request, publish: bool = True) -> None:
+        """Publish r's computed full pages to the cache (unless told not to) and drop r's hold on all its
+        pages."""
         if r.status is Status.RUNNING:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
         pages = [p for p in r.pages if p >= 0]
         if pages:
-            publish, dead = publishable(r, self.page_size)
+            offered, dead = publishable(r, self.page_size) if publish else ({}, [])
             self.kv.retire(dead)
-            self.kv.release(pages, publish)
+            self.kv.release(pages, offered)
         r.pages, r.missing, r.fresh = [], [], []
         if r.row >= 0:
             self.rows.append(r.row)
