@@ -14,23 +14,15 @@ from torch import nn
 
 from minakv.model.config import ModelConfig
 from minakv.model.layers import CausalLM
-from minakv.model.quant import dequantize_mxfp4
 from minakv.ops.moe import moe, route_softmax_topk
-from minakv.ops.triton_util import use_triton
-
-
-def moe_mxfp4(*args, **kwargs) -> torch.Tensor:
-    """The Triton MXFP4 MoE (imported when first used: it compiles kernels)."""
-    from minakv.ops.mxfp4_moe import moe_mxfp4 as run
-
-    return run(*args, **kwargs)
+from minakv.ops.mxfp4_moe import moe_mxfp4
 
 
 class GptOssExperts(nn.Module):
     """The experts' weights, as bf16/fp32 parameters, or (`packed`, an MXFP4 checkpoint or dummy weights in
     its format) as the checkpoint's own MXFP4 bytes, which stay resident: 4.25 bits per weight instead of 16,
     so gpt-oss-120b's experts take 61 GB instead of 234. Packed weights are dequantised in registers by the
-    Triton kernels (minakv/ops/mxfp4_moe.py), or, on the CPU, expert by expert for a reference forward."""
+    Triton kernels (minakv/ops/mxfp4_moe.py), or, on the CPU, by a dequantising reference."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -58,21 +50,11 @@ class GptOssExperts(nn.Module):
             n: getattr(self, n) for n in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
         }
 
-    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up, down) as dense weights (dequantised when packed: the CPU reference path)."""
-        if not self.packed:
-            return self.gate_up, self.down
-        return (
-            dequantize_mxfp4(self.gate_up_blocks, self.gate_up_scales, dtype),
-            dequantize_mxfp4(self.down_blocks, self.down_scales, dtype),
-        )
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         args = {"activation": "swiglu_oai", "limit": self.limit, "alpha": self.alpha}
-        if self.packed and use_triton(x):
+        if self.packed:
             return moe_mxfp4(x, self.mxfp4, weights, ids, self.gate_up_bias, self.down_bias, **args)
-        gate_up, down = self.dense(x.dtype)
-        return moe(x, gate_up, down, weights, ids, self.gate_up_bias, self.down_bias, **args)
+        return moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias, **args)
 
 
 class GptOssMoE(nn.Module):
