@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=0.9, help="of the sampled mode")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--tiny", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    p.add_argument(
+        "--dummy", default=None, help="a real shape with dummy weights (gpt-oss-20b, gpt-oss-120b)"
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = p.parse_args(argv)
@@ -110,18 +113,29 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)  # tiny ops: thread synchronisation costs more than it saves
     torch.manual_seed(0)
     bw = copy_bandwidth() if DEVICE == "cuda" else None
-    _, config = configs(args.layers, args.tiny)
     t = time.perf_counter()
-    model = build_ours(config, torch.bfloat16 if DEVICE == "cuda" else torch.float32)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"model: {params / 1e9:.2f} B parameters on {DEVICE}, built in {time.perf_counter() - t:.1f} s")
     top = max(args.batches)
     longest = max(
         args.n2, args.profile_steps + 2 + math.ceil(top * args.prompt / args.max_num_batched_tokens) + 8
     )
-    engine = Engine(model, page_size=args.page_size, kv_cache_tokens=top * (args.prompt + longest + 16),
-                    max_num_seqs=max(64, top), max_num_batched_tokens=args.max_num_batched_tokens,
-                    enable_prefix_cache=False)  # fmt: skip
+    options = {
+        "page_size": args.page_size,
+        "kv_cache_tokens": top * (args.prompt + longest + 16),
+        "max_num_seqs": max(64, top),
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_cache": False,
+    }
+    if args.dummy:  # a real shape in its checkpoint's precision (GPT-OSS: MXFP4 experts)
+        engine = Engine(args.dummy, load_format="dummy", **options)
+        model, config = engine.model, engine.model.config
+    else:
+        _, config = configs(args.layers, args.tiny)
+        model = build_ours(config, torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+        engine = Engine(model, **options)
+    params = sum(p.numel() for p in model.parameters()) + sum(
+        2 * b.numel() for b in model.buffers() if b.dtype == torch.uint8
+    )
+    print(f"model: {params / 1e9:.2f} B parameters on {DEVICE}, built in {time.perf_counter() - t:.1f} s")
     gen = torch.Generator().manual_seed(1)
 
     def prompts(batch: int) -> list[list[int]]:
@@ -163,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         row.update(gpu_busy=found["gpu_busy"], profiled_steps=found["steps"], profiled_ms_per_step=per_step)
         log.add("decode_sweep", **row)
     log.save("decode_sweep.json")
-    print(f"\n=== decode sweep, {args.layers} layers, prompt {args.prompt}, {env} ===")
+    print(f"\n=== decode sweep, {args.dummy or f'{args.layers} layers'}, prompt {args.prompt}, {env} ===")
     print("batch | mode | ms/step | tok/s | of bytes bound | sampled/greedy | GPU busy | profiled ms/step")
     for r in rows.values():
         print(f"{r['batch']} | {r['mode']} | {r['ms_per_step']:.3f} | {r['tok_s']:.1f} | "

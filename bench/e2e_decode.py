@@ -157,9 +157,12 @@ def step_time(run, batch: int, n1: int, n2: int, repeats: int = 2) -> float:
 def step_bytes(model, config: ModelConfig, batch: int, context: float) -> float:
     """Fewest bytes one decode step reads (docs/design.md 5)."""
     e, k = config.num_experts, config.experts_per_tok
-    expert = sum(p.numel() * p.element_size() for p in model.layers[0].mlp.experts.parameters()) / e
-    other = sum(p.numel() * p.element_size() for layer in model.layers for p in layer.parameters())
-    other -= expert * e * config.num_layers
+
+    def size(module) -> int:  # parameters and buffers (packed MXFP4 experts are uint8 buffers)
+        return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+    expert = size(model.layers[0].mlp.experts) / e
+    other = sum(size(layer) for layer in model.layers) - expert * e * config.num_layers
     touched = e * (1 - (1 - k / e) ** batch)
     lm_head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     per_key = 2 * config.num_kv_heads * config.head_dim * 2  # K and V in bf16
