@@ -99,7 +99,7 @@ CASES = [
     ("wrong type", "/v1/chat/completions", chat(max_tokens="ten"), 400, "max_tokens", "Expected `int | null`"),
     ("bad role", "/v1/chat/completions", chat(messages=[{"role": "robot", "content": "x"}]), 400,
      "messages[0].role", "robot"),
-    ("unknown model", "/v1/chat/completions", chat(model="gpt-5"), 400, "model", "'gpt-5' does not exist"),
+    ("unknown model", "/v1/chat/completions", chat(model="gpt-5"), 404, "model", "'gpt-5' does not exist"),
     ("both drop forms", "/v1/chat/completions",
      chat(messages=THREE, drop_message={"2": [0]}, drop_rule={"type": "message_drop", "drop_messages": {"2": [0]}}),
      400, "drop_rule", "give one"),
@@ -133,7 +133,7 @@ CASES = [
      "outside the vocabulary"),
     ("completion past max-model-len", "/v1/completions", {"model": NAME, "prompt": [5] * 200}, 400, "prompt",
      "max_model_len"),
-    ("completion unknown model", "/v1/completions", {"model": "nope", "prompt": "hi"}, 400, "model", "does not exist"),
+    ("completion unknown model", "/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "does not exist"),
     ("body too large", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * (32 << 10)}]), 413,
      None, "too large"),
 ]  # fmt: skip

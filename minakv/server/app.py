@@ -1,9 +1,11 @@
-"""The aiohttp application: routes, authentication, errors, streaming.
+"""The aiohttp application: routes and streaming (errors: errors.py, the API key: auth.py, shutdown:
+shutdown.py, limits: limits.py).
 
-Every request is decoded into a typed struct (protocol.py), turned into an engine prompt and sampling
-parameters (prompts.py), and handed to `engine.stream`, an async generator of increments (running.py).
-The engine validates the prompt on the first increment, so nothing is sent to the client before that: a
-bad prompt still gets a clean HTTP 400, and a full waiting queue a 503. A streamed response is Server-Sent Events in
+Every request is decoded into a typed struct (protocol.py), checked against the limits, turned into an
+engine prompt and sampling parameters (prompts.py), rendered and tokenized in a worker thread (prepare.py),
+and handed to `engine.stream`, an async generator of increments (running.py). The engine validates the
+prompt on the first increment, so nothing is sent to the client before that: a bad prompt still gets a
+clean HTTP 400, and a full waiting queue a 503. A streamed response is Server-Sent Events in
 OpenAI's chunk format. If the client goes away, aiohttp cancels the handler (`handler_cancellation`) or the
 next write fails; either way the `finally` aborts the request so its pages return to the pool.
 """
@@ -11,18 +13,21 @@ next write fails; either way the `finally` aborts the request so its pages retur
 from __future__ import annotations
 
 import asyncio
-import hmac
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
 
 from minakv.engine import Engine
-from minakv.server import anthropic, output, prompts
+from minakv.server import anthropic, limits, output, prepare, prompts
+from minakv.server.auth import require_key
 from minakv.server.cache_ops import has_cache_ops
+from minakv.server.errors import Handler, errors
+from minakv.server.limits import DEFAULT_LIMITS, Limits
 from minakv.server.metrics import CONTENT_TYPE, ServerMetrics
+from minakv.server.openapi import openapi_document
 from minakv.server.protocol import (
     ChatChoice,
     ChatCompletion,
@@ -35,23 +40,21 @@ from minakv.server.protocol import (
     Delta,
     ModelCard,
     ModelList,
-    RequestError,
     UsageInfo,
-    decode_request,
-    error_body,
 )
 from minakv.server.responses_route import create_response
 from minakv.server.running import (
-    bad_prompt,
     check_failed,
     close_sse,
     finish,
     new_id,
     open_sse,
     start,
+    tokenized,
     usage_info,
     write_stream_error,
 )
+from minakv.server.shutdown import DRAIN_KEY, Drain, draining
 from minakv.server.tracking import Trace
 
 ENGINE = web.AppKey("engine", Engine)
@@ -65,25 +68,36 @@ def make_app(
     engine: Engine,
     served_model_name: str | None = None,
     api_key: str | None = None,
-    max_body_bytes: int = 32 << 20,
+    max_body_bytes: int | None = None,
     log_prompts: bool = False,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> web.Application:
     """The server for `engine`. `served_model_name` is the name clients must send as `model` (the model
     argument is accepted too); with `api_key`, /v1 routes need `Authorization: Bearer <api_key>`; with
-    `log_prompts`, each request's log line carries its prompt."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_and_auth])
+    `log_prompts`, each request's log line carries its prompt; `limits` bound what one request may ask
+    for (limits.py; `max_body_bytes`, if given, replaces its body size)."""
+    if max_body_bytes is not None:
+        limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
+    # outermost first: every response is counted, every error reshaped, then draining and the key
+    middlewares = [count_responses, errors, draining] + (
+        [require_key(api_key)] if api_key is not None else []
+    )
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     names = [served_model_name or engine.model_name]
     app[ENGINE] = engine
     app[SETTINGS] = {"names": names, "accepted": {*names, engine.model_name}, "api_key": api_key,
-                     "log_prompts": log_prompts}  # fmt: skip
+                     "log_prompts": log_prompts, "limits": limits}  # fmt: skip
     app[METRICS] = ServerMetrics(engine, names[0])
+    app[DRAIN_KEY] = Drain()
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", create_response)  # OpenAI Responses API (responses_route.py)
     app.router.add_post("/v1/messages", anthropic.messages)  # Anthropic Messages API
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 
@@ -93,36 +107,10 @@ def new_trace(request: web.Request, request_id: str, arrival: float, prompt: obj
     return Trace(request_id, arrival, request.app[METRICS], logged)
 
 
-def error_response(err: RequestError) -> web.Response:
-    return web.Response(status=err.status, body=error_body(err), content_type=JSON)
-
-
 @web.middleware
-async def errors_and_auth(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """API-key check for /v1 routes, and every failure as an OpenAI-style JSON error body."""
-    try:
-        key = request.app[SETTINGS]["api_key"]
-        if key is not None and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                what = "Missing" if not given else "Incorrect"
-                raise RequestError(
-                    f"{what} API key: send 'Authorization: Bearer <key>'", status=401, code="invalid_api_key"
-                )
-        response = await handler(request)
-    except RequestError as e:
-        response = error_response(e)
-    except web.HTTPRequestEntityTooLarge as e:
-        response = error_response(RequestError(f"request body too large: {e.text}", status=413))
-    except web.HTTPException as e:  # unknown route, wrong method
-        response = error_response(RequestError(e.reason, status=e.status))
-    except (ConnectionError, asyncio.CancelledError):
-        raise  # the client is gone; nothing to answer
-    except Exception as e:  # a bug: answer 500 in the usual shape, keep serving
-        log.exception("error while handling %s", request.path)
-        response = error_response(RequestError(f"internal error: {e!r}", status=500, type="server_error"))
+async def count_responses(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """`minakv_http_responses_total{route,status}`; errors arrive here already as responses."""
+    response = await handler(request)
     info = request.match_info.route.resource
     request.app[METRICS].count_response(info.canonical if info is not None else "other", response.status)
     return response
@@ -135,28 +123,24 @@ async def errors_and_auth(
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
-    body = await request.read()
-    req: ChatCompletionRequest = decode_request(body, ChatCompletionRequest)
+    req, raw = await prepare.decode(await request.read(), ChatCompletionRequest, raw=True)
+    # the cheap checks first: counts and sampling settings, before anything is rendered
     prompts.check_common(req, settings["accepted"])
+    limits.check_chat(req, settings["limits"])
+    limits.check_sampling(req, settings["limits"])
     logprobs = prompts.chat_logprobs(req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise RequestError(f"{param_name} must be a positive integer, got {max_tokens}", param_name)
-    params = prompts.sampling_params(req, max_tokens or engine.max_model_len, logprobs)
-    prompt, ops, tools_on = prompts.chat_prompt(req, msgspec.json.decode(body))
-    tools = prompt.get("tools") if tools_on else None
-    parser = output.ChatParser(engine.arch, engine.tokenizer, tools)
-    if ops is not None and ops.thinking_drop:
-        try:
-            prompt = prompts.thinking_drop_prompt(engine.tokenizer, prompt, ops)
-        except RequestError:
-            raise
-        except ValueError as e:
-            raise bad_prompt(e, "messages") from None
+    params = prompts.sampling_params(req, 1, logprobs)
+    prompt, ops, tools_on = prompts.chat_prompt(req, raw)
+    tokens = await tokenized(engine, prompt, ops, "messages")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params.max_tokens = limits.max_tokens(
+        wanted, param, tokens.num_tokens, engine.max_model_len, None, "messages"
+    )
+    parser = output.ChatParser(engine.arch, engine.tokenizer, prompt.get("tools") if tools_on else None)
     rid, created, model = new_id("chatcmpl"), int(time.time()), settings["names"][0]
     trace = new_trace(request, rid, arrival, prompt)
-    stream, first = await start(engine, prompt, params, rid, ops, "messages", trace)
+    stream, first = await start(engine, tokens.prompt, params, rid, ops, "messages", trace)
     with_usage = has_cache_ops(req) or bool(req.stream_options and req.stream_options.include_usage)
     done = False
     try:
@@ -189,7 +173,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             out = await stream.__anext__()
         done = True
         if out.finish_reason == "error":
-            await write_stream_error(response)
+            await write_stream_error(response, out)
             return response
         await send([ChunkChoice(0, Delta(), parser.finish_reason(out.finish_reason))])
         if with_usage:
@@ -207,14 +191,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
-    req: CompletionRequest = decode_request(await request.read(), CompletionRequest)
+    req, _ = await prepare.decode(await request.read(), CompletionRequest)
     prompts.check_common(req, settings["accepted"])
     prompts.check_completion(req)
+    limits.check_sampling(req, settings["limits"])
     prompt = prompts.completion_prompt(req)
-    params = prompts.sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+    params = prompts.sampling_params(req, 1, req.logprobs)
+    tokens = await tokenized(engine, prompt, None, "prompt")
+    params.max_tokens = limits.max_tokens(
+        req.max_tokens, "max_tokens", tokens.num_tokens, engine.max_model_len, 16, "prompt"
+    )
     rid, created, model = new_id("cmpl"), int(time.time()), settings["names"][0]
     trace = new_trace(request, rid, arrival, prompt)
-    stream, first = await start(engine, prompt, params, rid, None, "prompt", trace)
+    stream, first = await start(engine, tokens.prompt, params, rid, None, "prompt", trace)
     lps = output.CompletionLogprobsBuilder(engine) if req.logprobs is not None else None
     done = False
     try:
@@ -249,7 +238,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             out = await stream.__anext__()
         done = True
         if out.finish_reason == "error":
-            await write_stream_error(response)
+            await write_stream_error(response, out)
             return response
         if req.stream_options and req.stream_options.include_usage:
             chunk = Completion(rid, created, model, [], usage_info(out))
@@ -268,6 +257,23 @@ async def models(request: web.Request) -> web.Response:
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
     cards = [ModelCard(name, int(time.time()), engine.max_model_len) for name in settings["names"]]
     return web.Response(body=msgspec.json.encode(ModelList(cards)), content_type=JSON)
+
+
+async def model(request: web.Request) -> web.Response:
+    """One model's card; any name the server accepts as `model` has one, under the name asked for."""
+    engine, settings = request.app[ENGINE], request.app[SETTINGS]
+    name = request.match_info["model"]
+    if name not in settings["accepted"]:
+        raise prompts.unknown_model(name, settings["accepted"])
+    card = ModelCard(name, int(time.time()), engine.max_model_len)
+    return web.Response(body=msgspec.json.encode(card), content_type=JSON)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    engine, settings = request.app[ENGINE], request.app[SETTINGS]
+    names = (*settings["names"], *sorted(settings["accepted"] - set(settings["names"])))
+    doc = openapi_document(names, settings["limits"], engine.max_model_len, settings["api_key"] is not None)
+    return web.Response(body=doc, content_type=JSON)
 
 
 async def health(request: web.Request) -> web.Response:

@@ -6,6 +6,7 @@ body names the request field (`messages[2].content`, `top_logprobs`, ...) rather
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from minakv.params import SamplingParams
@@ -43,13 +44,18 @@ SAMPLING_FIELDS = (
 )
 
 
+def unknown_model(name: str, served_names: set[str]) -> RequestError:
+    return RequestError(
+        f"The model {name!r} does not exist; this server serves {sorted(served_names)}",
+        "model",
+        status=404,  # as OpenAI answers
+        code="model_not_found",
+    )
+
+
 def check_common(req: SamplingFields, served_names: set[str]) -> None:
     if req.model not in served_names:
-        raise RequestError(
-            f"The model {req.model!r} does not exist; this server serves {sorted(served_names)}",
-            "model",
-            code="model_not_found",
-        )
+        raise unknown_model(req.model, served_names)
     if req.n != 1:
         raise RequestError("only n=1 is supported", "n")
 
@@ -125,6 +131,42 @@ def tool_choice_mode(req: ChatCompletionRequest) -> str:
     )
 
 
+EFFORTS = ("low", "medium", "high")
+
+# The template variables a client may set through `chat_template_kwargs`: what each accepts, in words and as
+# a check. The rest of a template's context (messages, tools, add_generation_prompt, the special tokens)
+# is the server's, and a `template` key would replace the model's template with the client's, so anything
+# else is refused. The first three are what the GPT-OSS and MiniMax-M2 templates read; enable_thinking is
+# what Qwen- and DeepSeek-style templates read, and vLLM clients send it.
+TEMPLATE_VARIABLES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "reasoning_effort": ("'low', 'medium' or 'high'", lambda v: v in EFFORTS),
+    "model_identity": ("a string", lambda v: isinstance(v, str)),
+    "builtin_tools": (
+        "a list of 'browser' and 'python'",
+        lambda v: isinstance(v, list) and all(t in ("browser", "python") for t in v),
+    ),
+    "enable_thinking": ("true or false", lambda v: isinstance(v, bool)),
+}
+
+
+def template_kwargs(given: dict[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs` checked against the allow-list (TEMPLATE_VARIABLES)."""
+    for key, value in given.items():
+        if key not in TEMPLATE_VARIABLES:
+            raise RequestError(
+                f"chat_template_kwargs: {key!r} is not a template variable a request may set; the accepted "
+                f"ones are {', '.join(TEMPLATE_VARIABLES)}",
+                f"chat_template_kwargs.{key}",
+            )
+        words, accepts = TEMPLATE_VARIABLES[key]
+        if not accepts(value):
+            raise RequestError(
+                f"chat_template_kwargs.{key} must be {words}, got {value!r:.100}",
+                f"chat_template_kwargs.{key}",
+            )
+    return dict(given)
+
+
 def chat_prompt(
     req: ChatCompletionRequest, raw: dict[str, Any]
 ) -> tuple[dict[str, Any], CacheOps | None, bool]:
@@ -142,9 +184,9 @@ def chat_prompt(
     prompt: dict[str, Any] = {"messages": raw["messages"]}
     if tools_on:
         prompt["tools"] = raw["tools"]
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs = template_kwargs(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
-        if req.reasoning_effort not in ("low", "medium", "high"):
+        if req.reasoning_effort not in EFFORTS:
             raise RequestError(
                 f"reasoning_effort must be 'low', 'medium' or 'high', got {req.reasoning_effort!r}",
                 "reasoning_effort",

@@ -16,7 +16,9 @@ from minakv.engine import CacheOpError, Engine, Overloaded
 from minakv.outputs import RequestOutput
 from minakv.params import SamplingParams
 from minakv.server.cache_ops import CacheOps
+from minakv.server.prepare import Tokenized, in_thread, to_tokens
 from minakv.server.protocol import PromptTokensDetails, RequestError, UsageInfo, error_body
+from minakv.server.shutdown import Cut, cut_at_deadline, refused
 from minakv.server.tracking import Trace, traced
 
 FIELD = re.compile(r"^((?:messages|tools)(?:\[\d+\])?(?:\.\w+|\[\d+\])*)")
@@ -43,14 +45,18 @@ async def start(
     trace: Trace | None = None,
 ) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
     """Submit and wait for the first increment; engine-side validation errors become 400, a full queue 503.
-    With a `trace`, the stream reports every increment to it, and closing the stream ends it."""
-    stream = engine.stream(prompt, params, request_id=request_id)
+    With a `trace`, the stream reports every increment to it, and closing the stream ends it. The stream
+    ends early if the server shuts down (shutdown.py). A text or messages prompt is rendered and tokenized
+    by the engine on the event loop: pass its token form (`tokenized`) to keep the loop free."""
+    stream = cut_at_deadline(engine.stream(prompt, params, request_id=request_id), engine, request_id)
     if trace is not None:
         stream = traced(stream, trace)
     try:
         first = await stream.__anext__()
     except asyncio.CancelledError:  # the client left while the request waited for its first token
         engine.abort(request_id)
+        raise
+    except RequestError:  # refused by the shutdown
         raise
     except Overloaded as e:
         raise RequestError(
@@ -74,6 +80,16 @@ async def start(
     return stream, first
 
 
+async def tokenized(engine: Engine, prompt: Any, ops: CacheOps | None, prompt_param: str) -> Tokenized:
+    """`prompt` in token form (prepare.py), made in a worker thread; renderer errors name their field."""
+    try:
+        return await in_thread(to_tokens, engine, prompt, ops, prompt_param)
+    except RequestError:
+        raise
+    except ValueError as e:
+        raise bad_prompt(e, prompt_param) from None
+
+
 def bad_prompt(e: ValueError, default_param: str) -> RequestError:
     """The renderer's errors start with the message or tools entry at fault: use it as the param."""
     match = FIELD.match(str(e))
@@ -88,14 +104,22 @@ async def finish(engine: Engine, stream: AsyncIterator[RequestOutput], request_i
         await stream.aclose()  # type: ignore[attr-defined]
 
 
+def failure(out: RequestOutput) -> RequestError:
+    """Why a request ended with finish reason "error": the shutdown cut it (503), or the engine failed."""
+    if isinstance(out, Cut):
+        return refused()
+    return RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
+
+
 def check_failed(out: RequestOutput) -> None:
     if out.finish_reason == "error":
-        raise RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
+        raise failure(out)
 
 
-async def write_stream_error(response: web.StreamResponse) -> None:
-    """A failure after the stream started: an error event (as vLLM and OpenAI send), then the end."""
-    err = RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
+async def write_stream_error(response: web.StreamResponse, out: RequestOutput | None = None) -> None:
+    """A failure after the stream started: an error event (as vLLM and OpenAI send), then the end. `out`
+    is the last increment, if known (it tells a shutdown from an engine failure)."""
+    err = failure(out) if out is not None else failure(RequestOutput("", []))
     await response.write(b"data: " + error_body(err) + b"\n\n")
     await close_sse(response)
 

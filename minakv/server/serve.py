@@ -1,12 +1,14 @@
-"""`minakv serve MODEL`: parse the flags, load the engine, run the HTTP server until interrupted."""
+"""`minakv serve MODEL`: parse the flags, load the engine, run the HTTP server until SIGTERM or SIGINT,
+drain it (shutdown.py) and exit 0."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
-from aiohttp import web
+from minakv.server.limits import Limits
 
 
 def positive(text: str) -> int:
@@ -49,6 +51,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (MiB)")
+    d = Limits()
+    p.add_argument("--max-messages", type=positive, default=d.max_messages, help="messages per chat request")
+    p.add_argument("--max-tools", type=positive, default=d.max_tools, help="tools per chat request")
+    p.add_argument("--max-stop", type=positive, default=d.max_stop, help="stop strings per request")
+    p.add_argument(
+        "--max-stop-chars", type=positive, default=d.max_stop_chars, help="characters per stop string"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are ended (default 30)",
+    )
     p.add_argument(
         "--log-prompts", action="store_true", help="put each request's prompt in its log line (default: not)"
     )
@@ -60,6 +75,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from minakv.engine import Engine  # heavy import after argument errors are reported
     from minakv.server.app import make_app
+    from minakv.server.shutdown import serve
 
     kwargs = {
         "device": args.device,
@@ -77,14 +93,19 @@ def serve_main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"minakv serve: {e}", file=sys.stderr)
         return 2
-    app = make_app(
-        engine, args.served_model_name, args.api_key, int(args.max_body_mb * (1 << 20)), args.log_prompts
+    limits = Limits(
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        max_messages=args.max_messages,
+        max_tools=args.max_tools,
+        max_stop=args.max_stop,
+        max_stop_chars=args.max_stop_chars,
     )
+    app = make_app(engine, args.served_model_name, args.api_key, log_prompts=args.log_prompts, limits=limits)
     print(
         f"minakv: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}",
         flush=True,
     )
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None)
+    asyncio.run(serve(app, engine, args.host, args.port, args.shutdown_timeout))
     return 0
 
 
