@@ -251,7 +251,8 @@ def test_moe_real_shape_gpu(tokens: int) -> None:
         errs["fp8 fused"] = rel_err(moe_fp8_fused(x, w, weights, ids), ref)
         errs["fp8 fused fp32"] = rel_err(moe_fp8_fused(x.float(), w, weights, ids), ref)
     gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
-    errs["bf16 grouped"] = rel_err(moe_grouped(x, gate_up, down, weights, ids), ref)
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        errs["bf16 grouped"] = rel_err(moe_grouped(x, gate_up, down, weights, ids), ref)
     if tokens * k <= 512:
         errs["bf16 fused"] = rel_err(moe_fused(x, gate_up, down, weights, ids), ref)
     print(f"T={tokens} relative errors vs fp32: {errs}")
