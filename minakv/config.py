@@ -14,6 +14,9 @@ class EngineConfig:
     device: str | None = None  # default: cuda when available, else cpu
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
     page_size: int = 16  # KV slots per page; any size >= 1
+    # "auto": the model's dtype; "fp8": float8_e4m3fn K/V (unscaled, as vLLM's default fp8 cache), half the
+    # bytes of bf16 per token; attention widens it in registers (tolerance: tests/test_kv_fp8.py)
+    kv_cache_dtype: str = "auto"
     kv_cache_tokens: int | None = None  # pool size in tokens; default: what memory allows
     max_model_len: int | None = None  # longest prompt + generation; default: the model's limit
     max_num_seqs: int = 64  # requests decoding at once
@@ -25,6 +28,8 @@ class EngineConfig:
     memory_fraction: float = 0.85  # of free accelerator memory (or a share of RAM on cpu) for the KV pool
 
     def check(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.page_size, int) or self.page_size < 1:

@@ -94,12 +94,13 @@ class Engine:
             )
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        per_token = kv_bytes_per_token(self.model, dtype)
+        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
+        per_token = kv_bytes_per_token(self.model, kv_dtype)
         num_pages = max(1, pool_tokens(config, per_token, device) // config.page_size)
         num_slots = num_pages * config.page_size
         max_keys = min(num_slots, self.max_model_len) + 1  # the most keys one decode token can read
         self.worker = Worker(
-            self.model, num_slots, config.max_num_seqs, max_keys, cuda_graphs=config.cuda_graphs
+            self.model, num_slots, config.max_num_seqs, max_keys, kv_dtype, cuda_graphs=config.cuda_graphs
         )
         self.scheduler = Scheduler(config, num_pages, per_token, self.tokenizer, self.max_model_len)
         self._inbox: list[Request] = []

@@ -162,7 +162,8 @@ def _check_inputs(q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, sinks
     check(kv_slots.shape == kv_pos.shape and kv_slots.dim() == 1, "kv_slots and kv_pos must be [N] alike")
     check(q_pos.shape == (q.shape[0],), "q_pos must be [B]")
     check(sinks is None or sinks.shape == (q.shape[1],), "sinks must be [Hq]")
-    check(q.dtype == k_cache.dtype == v_cache.dtype, "q, k_cache and v_cache must share a dtype")
+    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn),
+          "k_cache and v_cache must share q's dtype, or be float8_e4m3fn")  # fmt: skip
 
 
 @triton.jit
@@ -202,12 +203,13 @@ def _decode_split_kernel(
         slot = tl.load(slots_ptr + cols, mask=valid, other=0).to(tl.int64)
         kp = tl.load(pos_ptr + cols, mask=valid, other=0)
         kv_mask = valid[:, None] & (d < D)[None, :]
+        # an fp8 cache is widened to q's dtype in registers (for bf16 caches this is a no-op)
         k = tl.load(
             k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
-        )
+        ).to(q.dtype)
         v = tl.load(
             v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
-        )
+        ).to(q.dtype)
         if F32_DOT:  # fp32 inputs: exact fp32 products, not tf32
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:

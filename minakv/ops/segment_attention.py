@@ -201,7 +201,8 @@ def _check_inputs(q, k_cache, v_cache, q_pos, q_slots, seg_q_indptr, seg_kv_indp
     check(seg_q_indptr.dim() == 1 and seg_q_indptr.shape == seg_kv_indptr.shape, "indptrs must be [G + 1]")
     check(kv_slots.shape == kv_pos.shape and kv_slots.dim() == 1, "kv_slots and kv_pos must be [N] alike")
     check(sinks is None or sinks.shape == (q.shape[1],), "sinks must be [Hq]")
-    check(q.dtype == k_cache.dtype == v_cache.dtype, "q, k_cache and v_cache must share a dtype")
+    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn),
+          "k_cache and v_cache must share q's dtype, or be float8_e4m3fn")  # fmt: skip
 
 
 @triton.jit
@@ -291,12 +292,13 @@ def _attend_keys(
         if HAS_WINDOW and MASKED:  # skip key blocks wholly older than the window for all queries here
             run = qp_min - tl.max(tl.where(valid, kp, -2147483647), 0) < window
         if run:
+            # an fp8 cache is widened to q's dtype in registers (for bf16 caches this is a no-op)
             k = tl.load(
                 k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
-            )
+            ).to(q.dtype)
             v = tl.load(
                 v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
-            )
+            ).to(q.dtype)
             if F32_DOT:  # fp32 inputs: exact fp32 products, not tf32
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
