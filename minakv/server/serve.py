@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--page-size", type=positive, default=16, help="KV slots per page")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: float8_e4m3fn K/V, half the bytes per token")  # fmt: skip
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights in the checkpoint's precision (gpt-oss-20b, gpt-oss-120b, minimax-m2)")  # fmt: skip
     p.add_argument("--kv-cache-tokens", type=positive, default=None, help="KV pool size in tokens")
@@ -85,6 +87,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         "max_model_len": args.max_model_len,
         "max_queued_requests": args.max_queued_requests,
         "load_format": args.load_format,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
