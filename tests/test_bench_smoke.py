@@ -60,6 +60,10 @@ def test_decode_sweep_tiny(tmp_path: Path) -> None:
         assert r["mode"] == "greedy" or r["sampled_over_greedy"] > 0
 
 
+def test_bench_mxfp4_tiny(tmp_path: Path) -> None:
+    assert "check mxfp4 grouped E=4 T=17 vs fp32 loop" in run_script("bench_mxfp4.py", ["--tiny"], tmp_path)
+
+
 def test_agent_replay_max_position_matches_the_program() -> None:
     """The script's message-level walk (it checks positions before building anything) agrees with the
     compiled program of every round's request, in every mode."""

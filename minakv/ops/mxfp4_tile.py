@@ -90,12 +90,14 @@ def e2m1_values(codes, BF16: tl.constexpr):
         mag = c & 7
         bits = (mag << 6) + (126 << 7)
         bits = tl.where(mag < 2, tl.where(mag == 1, 126 << 7, 0), bits)  # 0.5 is 2^-1, 0 is all zeros
-        return (bits | ((c & 8) << 12)).to(tl.bfloat16, bitcast=True)
-    c = codes.to(tl.uint32)
-    mag = c & 7
-    bits = (mag << 22) + (126 << 23)
-    bits = tl.where(mag < 2, tl.where(mag == 1, 126 << 23, 0), bits)
-    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+        values = (bits | ((c & 8) << 12)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        c = codes.to(tl.uint32)
+        mag = c & 7
+        bits = (mag << 22) + (126 << 23)
+        bits = tl.where(mag < 2, tl.where(mag == 1, 126 << 23, 0), bits)
+        values = (bits | ((c & 8) << 28)).to(tl.uint32).to(tl.float32, bitcast=True)
+    return values
 
 
 @triton.jit
@@ -103,9 +105,11 @@ def e8m0_values(scales, BF16: tl.constexpr):
     """E8M0 exponent bytes s -> 2^(s - 127) in bf16 or fp32 (s = 0 is the subnormal 2^-127)."""
     if BF16:
         bits = tl.where(scales == 0, 0x0040, scales.to(tl.uint16) << 7)
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    bits = tl.where(scales == 0, 0x00400000, scales.to(tl.uint32) << 23)
-    return bits.to(tl.uint32).to(tl.float32, bitcast=True)
+        values = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        bits = tl.where(scales == 0, 0x00400000, scales.to(tl.uint32) << 23)
+        values = bits.to(tl.uint32).to(tl.float32, bitcast=True)
+    return values
 
 
 @triton.jit
