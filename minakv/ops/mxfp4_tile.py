@@ -77,7 +77,8 @@ def packed_shapes(x: torch.Tensor, w: dict[str, torch.Tensor], topk_ids: torch.T
 def dot_dtypes(x: torch.Tensor) -> tuple[bool, bool]:
     """(dequantize straight to bf16, take the fp32 dot) for activations x. bf16 on the GPU: the tile is
     built in bf16 (a cvt less per weight). fp32, or the interpreter (which multiplies bf16 dots wrongly,
-    see triton_util.interpreting): fp32 tiles and an exact fp32 dot. fp16: fp32 tiles cast to fp16."""
+    see triton_util.interpreting, and garbles bitcasts to bf16): fp32 tiles and an exact fp32 dot. fp16:
+    fp32 tiles cast to fp16."""
     f32_dot = x.dtype == torch.float32 or interpreting()
     return x.dtype == torch.bfloat16 and not f32_dot, f32_dot
 
