@@ -2,7 +2,7 @@
 with random bf16 weights (bench/e2e_decode.py builds it).
 
     PYTHONUNBUFFERED=1 python bench/decode_sweep.py [--batches 1,16,64,128,256] [--prompt 1024]
-        [--layers 24] [--n1 8] [--n2 56] [--profile-steps 16] [--tiny]
+        [--layers 24] [--n1 8] [--n2 56] [--dummy gpt-oss-120b] [--tiny]
 
 Sampling modes: `greedy` (temperature 0) and `sampled` (temperature 1, top_p 0.9, one seed per request,
 so every request takes the seeded path of the sampler). Per (batch, mode): milliseconds per decode step
@@ -12,28 +12,28 @@ the fraction of the bytes-read bound (e2e_decode `step_bytes` at the mean contex
 bandwidth measured in this run; None on CPU). The sampled/greedy ratio is sampled tok/s over greedy tok/s
 at the same batch.
 
-GPU busy fraction: after all timings (which use `generate`), each (batch, mode) runs once more through
-`engine.stream`; once every request is decoding, `--profile-steps` decode steps run under
-`torch.profiler`, and the union of device-kernel time over the window's wall time is reported (None on
-CPU). One engine (prefix cache off) serves every row. Rows are printed and written to
-$OUT/decode_sweep.json.
+GPU busy: the device time of one decode step, measured as the replay of the step's captured CUDA graph
+alone (the forward; the sampler runs outside the graph and is not counted), over the measured wall time
+per step. (A profiled window of the running engine is not used: its kernels and the window's wall clock
+do not line up, and it reported fractions above 1.) One engine (prefix cache off) serves every row. Rows
+are printed and written to $OUT/decode_sweep.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import sys
 import time
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agent_replay import MAX_TOKEN_ID, fmt, profiled
+from agent_replay import MAX_TOKEN_ID, fmt
 from common import Log, copy_bandwidth
 from e2e_decode import DEVICE, build_ours, configs, step_bytes, step_time
 
@@ -42,7 +42,7 @@ from minakv import Engine, SamplingParams
 MODES = ("greedy", "sampled")
 # (full defaults, --tiny defaults)
 SIZES = {"batches": ("1,16,64,128,256", "1,4"), "prompt": (1024, 32), "n1": (8, 2), "n2": (56, 6),
-         "repeats": (2, 1), "profile_steps": (16, 4)}  # fmt: skip
+         "repeats": (2, 1)}  # fmt: skip
 
 
 def sampling(mode: str, batch: int, n: int, args: argparse.Namespace) -> list[SamplingParams]:
@@ -52,27 +52,15 @@ def sampling(mode: str, batch: int, n: int, args: argparse.Namespace) -> list[Sa
                            ignore_eos=True) for i in range(batch)]  # fmt: skip
 
 
-async def profile_window(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], steps: int):
-    """Profile `steps` decode steps once every request has its first tokens (all are decoding)."""
-    counts = [0] * len(prompts)
-    decoding, done = asyncio.Event(), asyncio.Event()
-
-    async def consume(i: int) -> None:
-        async for out in engine.stream(prompts[i], params[i]):
-            counts[i] += len(out.token_ids)
-            if min(counts) >= 2:
-                decoding.set()
-            if min(counts) >= 2 + steps:
-                done.set()
-
-    tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
-    await decoding.wait()
-    first = min(counts)
-    with profiled(True) as found:
-        await done.wait()
-    found["steps"] = min(counts) - first
-    await asyncio.gather(*tasks)
-    return found
+def graph_replay_ms(engine: Engine, batch: int, keys: int) -> float | None:
+    """Device time of one decode step at `batch` with up to `keys` keys per row: the median replay of the
+    captured graph the engine used for it (None on CPU or when none was captured)."""
+    graphs = engine.worker.graphs
+    fits = [(b, k) for b, k in (graphs.graphs if graphs is not None else {}) if b >= batch and k >= keys]
+    if not fits:
+        return None
+    g = graphs.graphs[min(fits)]
+    return float(triton.testing.do_bench(g.graph.replay, warmup=10, rep=100, return_mode="median"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,8 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n1", type=int, help="shorter generation of the difference (default 8)")
     p.add_argument("--n2", type=int, help="longer generation of the difference (default 56)")
     p.add_argument("--repeats", type=int, help="best of this many differences (default 2)")
-    p.add_argument("--profile-steps", type=int, help="decode steps in the profiled window (default 16)")
-    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--no-profile", action="store_true", help="(ignored; kept for old command lines)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--temperature", type=float, default=1.0, help="of the sampled mode")
     p.add_argument("--top-p", type=float, default=0.9, help="of the sampled mode")
@@ -115,9 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth() if DEVICE == "cuda" else None
     t = time.perf_counter()
     top = max(args.batches)
-    longest = max(
-        args.n2, args.profile_steps + 2 + math.ceil(top * args.prompt / args.max_num_batched_tokens) + 8
-    )
+    longest = args.n2 + math.ceil(top * args.prompt / args.max_num_batched_tokens) + 8
     options = {
         "page_size": args.page_size,
         "kv_cache_tokens": top * (args.prompt + longest + 16),
@@ -168,21 +153,18 @@ def main(argv: list[str] | None = None) -> None:
             rows[batch, "sampled"]["sampled_over_greedy"] = ratio
         print({k: round(v["ms_per_step"], 3) for k, v in rows.items() if k[0] == batch}, flush=True)
     for (batch, mode), row in rows.items():
-        found = {"gpu_busy": None, "steps": 0, "wall_s": None}
-        if not args.no_profile:
-            n = args.profile_steps + 2 + math.ceil(batch * args.prompt / args.max_num_batched_tokens) + 8
-            found = asyncio.run(profile_window(engine, prompts(batch), sampling(mode, batch, n, args),
-                                               args.profile_steps))  # fmt: skip
-        per_step = found["wall_s"] * 1e3 / found["steps"] if found["steps"] else None
-        row.update(gpu_busy=found["gpu_busy"], profiled_steps=found["steps"], profiled_ms_per_step=per_step)
+        replay_ms = graph_replay_ms(engine, batch, args.prompt + args.n2)
+        row.update(
+            graph_replay_ms=replay_ms, gpu_busy=None if replay_ms is None else replay_ms / row["ms_per_step"]
+        )
         log.add("decode_sweep", **row)
     log.save("decode_sweep.json")
     print(f"\n=== decode sweep, {args.dummy or f'{args.layers} layers'}, prompt {args.prompt}, {env} ===")
-    print("batch | mode | ms/step | tok/s | of bytes bound | sampled/greedy | GPU busy | profiled ms/step")
+    print("batch | mode | ms/step | tok/s | of bytes bound | sampled/greedy | GPU busy (graph replay / step)")
     for r in rows.values():
         print(f"{r['batch']} | {r['mode']} | {r['ms_per_step']:.3f} | {r['tok_s']:.1f} | "
               f"{fmt(r['fraction_of_bound'], 1, 3)} | {fmt(r.get('sampled_over_greedy'), 1, 3)} | "
-              f"{fmt(r['gpu_busy'], 1, 3)} | {fmt(r['profiled_ms_per_step'], 1, 3)}")  # fmt: skip
+              f"{fmt(r['gpu_busy'], 1, 3)}")  # fmt: skip
 
 
 if __name__ == "__main__":
