@@ -262,3 +262,24 @@ def test_moe_real_shape_gpu(tokens: int) -> None:
             assert v < 1e-5, (name, v)
         elif name.startswith("fp8"):
             assert v < 1e-2 and v < 2 * bf16_err + 1e-3, (name, v, bf16_err)
+
+
+@interpreted
+def test_bench_tiny(tmp_path) -> None:
+    """bench/bench_fp8.py --tiny runs (tiny shapes, the kernels interpreted) and writes its rows."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench_fp8.py"
+    env = {**os.environ, "OUT": str(tmp_path)}
+    cmd = [sys.executable, str(script), "--tiny", "--tokens", "1", "--layers", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "fp8_tiny.json").read_text())
+    names = [r["name"] for r in rows if r["kind"] == "bench"]
+    assert any(n.startswith("linear q_proj") for n in names) and any(n.startswith("moe ") for n in names)
+    assert any(n.startswith("decode step 1 layers") for n in names)
+    assert all(r["err_vs_bf16"] < 1e-4 for r in rows if "err_vs_bf16" in r)
