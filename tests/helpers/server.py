@@ -21,11 +21,12 @@ from minakv.params import SamplingParams
 class ServerThread:
     """An aiohttp app on 127.0.0.1:<free port>, served from a background event loop."""
 
-    def __init__(self, app: web.Application) -> None:
+    def __init__(self, app: web.Application, runner: type[web.AppRunner] = web.AppRunner) -> None:
+        """`runner`: the class serving `app` (`minakv.server.errors.Runner` is the one `minakv serve` uses)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.runner = web.AppRunner(app, handler_cancellation=True)
+        self.runner = runner(app, handler_cancellation=True)
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
 
     async def _start(self) -> None:
