@@ -127,7 +127,7 @@ def _linear_kernel(
     offs_n, n_ok, w_rows, s_rows = fp8_rows(w_ptr, s_ptr, tl.program_id(1) * BLOCK_N, N, stride_wn, stride_sn,
                                             BLOCK_N)  # fmt: skip
     split = tl.program_id(2)
-    k_start = split * SPLIT_LEN
+    k_start = tl.multiple_of(split * SPLIT_LEN, 128)  # known alignment: vector loads, not byte loads
     k_end = tl.minimum(k_start + SPLIT_LEN, K)
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
