@@ -3,6 +3,7 @@
     minakv generate [MODEL] [--prompt TEXT] [--max-tokens N] [--device D] [--dtype T] [--raw]
     minakv build-tiny PRESET PATH [--seed N] [--quant mxfp4|fp8]
     minakv serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...   (see minakv serve --help)
+    minakv bench replay --url URL [--tasks C] [--policies ...] ...      (see minakv bench replay --help)
 
 MODEL is a preset name (default tiny-gpt-oss, built on first use), a local checkpoint directory or a Hugging
 Face repo id. `generate` renders the prompt as one user message with the model's chat template (unless
@@ -84,6 +85,13 @@ def make_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server: minakv serve MODEL [--port 8000] ...", add_help=False
     )
+    # `bench replay` has its own parser too (minakv/agent/replay/cli.py)
+    bench = sub.add_parser(
+        "bench", help="benchmarks against a running server: minakv bench replay --url URL ..."
+    )
+    bench.add_argument(
+        "benchmark", choices=["replay"], help="replay: agent trajectories under cache policies"
+    )
     return parser
 
 
@@ -93,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         from minakv.server.serve import serve_main
 
         return serve_main(argv[1:])
+    if argv[:2] == ["bench", "replay"]:
+        from minakv.agent.replay.cli import replay_main
+
+        return replay_main(argv[2:])
     args = make_parser().parse_args(argv)
     if getattr(args, "max_tokens", 1) < 1:
         print("minakv: error: --max-tokens must be at least 1", file=sys.stderr)
