@@ -143,7 +143,7 @@ class Engine:
                 changed = self.step()
             except Exception as exc:  # leave no half-run request behind: the engine stays usable
                 self._inflight = None
-                self.scheduler.fail_all(f"internal error: {exc!r}")
+                self.scheduler.fail_all(f"internal error: {exc!r}", publish=False)
                 raise
             for r in changed:
                 if r.finish_reason is not None:

@@ -23,6 +23,7 @@ from minakv.cache.kvcache import KVCache
 from minakv.cache.plan import plan_request
 from minakv.cache.plan_memo import PlanMemo
 from minakv.config import EngineConfig
+from minakv.grammar import fill_masks
 from minakv.scheduler.admission import admission, publishable
 from minakv.scheduler.request import Request, Status
 from minakv.scheduler.stops import apply_token
@@ -69,13 +70,14 @@ class Scheduler:
                 return self._finish(r, "abort")
         return None
 
-    def fail_all(self, message: str) -> list[Request]:
-        """After an internal error: end every request (reason "error") so no caller waits forever."""
+    def fail_all(self, message: str, publish: bool = True) -> list[Request]:
+        """End every request (reason "error") so no caller waits forever; after a step that raised, pass
+        publish=False: pages of that step were never computed."""
         self.counters["errors"] += 1
         failed = [*self.waiting, *self.running]
         for r in failed:
             r.error = message
-            self._finish(r, "error")
+            self._finish(r, "error", publish)
         return failed
 
     def quarantine(self, message: str) -> list[Request]:
@@ -84,9 +86,9 @@ class Scheduler:
         (their KV may be half written), and each suspect then runs alone; a suspect that fails alone is the
         cause and ends with `message` (returned). The others continue as if preempted."""
         culprits = [r for r in self.running if r.suspect]  # running alone when it failed
-        for r in culprits:
+        for r in culprits:  # (its pages of the failed step were never computed: publish nothing)
             r.error = message
-            self._finish(r, "error")
+            self._finish(r, "error", publish=False)
         for r in self.waiting:  # tokens of preempted requests still on the device are lost too
             r.pending = 0
         for r in reversed(list(self.running)):
@@ -101,7 +103,7 @@ class Scheduler:
         requests' progress is committed here, so the next batch can be scheduled before this one's tokens
         are back (the overlap loop); their tokens then reach the worker as references to device rows."""
         self.failed += self._admit()
-        decoding = [r for r in self.running if r.cursor == len(r.todo) and not self._done_by_length(r)]
+        decoding = [r for r in self.running if r.cursor == len(r.todo) and self._decodes_next(r)]
         for r in decoding:  # reserve decode pages first: this may preempt the youngest requests
             if r.status is Status.RUNNING:
                 self._ensure_pages(r, r.num_entries + 1)
@@ -117,7 +119,17 @@ class Scheduler:
                 r.cursor, computed = self._schedule_prefill(r, batch, budget)
                 budget -= computed
                 self.counters["prefill_tokens"] += computed
+        self._fill_masks(batch)
         return batch
+
+    @staticmethod
+    def _fill_masks(batch: ForwardBatch) -> None:
+        """Structured outputs: the tokens each constrained row may sample, as one bitmask for the step. Built
+        here, on the host, while the device still runs the step before; the matchers are up to date, since
+        a request with a grammar is never scheduled with a token still on the device."""
+        batch.mask_rows = [i for i, r in enumerate(batch.scheduled) if r.grammar is not None]
+        if batch.mask_rows:
+            batch.token_mask = fill_masks([batch.scheduled[i].grammar for i in batch.mask_rows])
 
     def update(self, batch: ForwardBatch, result: StepResult) -> list[Request]:
         """Apply a step's sampled tokens (in sample-row order); returns the requests with news for their
@@ -135,6 +147,12 @@ class Scheduler:
                 self._share(r)
             changed.append(r)
         return changed
+
+    def _decodes_next(self, r: Request) -> bool:
+        """May r (its prompt computed) decode in the next step? Not if it ends by length once its pending
+        tokens arrive; not while a token is pending if it has a grammar: the tokens it may sample next
+        depend on that token, so a constrained request decodes every other step under overlap."""
+        return not self._done_by_length(r) and not (r.grammar is not None and r.pending > 0)
 
     def _done_by_length(self, r: Request) -> bool:
         """Will r end by length once its pending tokens arrive? Then it needs no further step."""
@@ -334,8 +352,8 @@ class Scheduler:
         r.status, r.plan, r.shared = Status.WAITING, None, False
         self.waiting.appendleft(r)
 
-    def _finish(self, r: Request, reason: str | None) -> Request:
-        self._release(r)
+    def _finish(self, r: Request, reason: str | None, publish: bool = True) -> Request:
+        self._release(r, publish)
         r.status = Status.FINISHED
         r.finish_reason = reason
         r.usage.prompt_tokens = r.num_prompt
