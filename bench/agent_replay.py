@@ -65,6 +65,8 @@ from e2e_decode import DEVICE, build_ours, configs
 from host_sampler import print_samples, sample_thread
 
 from minakv import Engine, SamplingParams
+from minakv.agent.replay.metrics import KV_PER_TOKEN, counter_deltas, summarize
+from minakv.agent.replay.metrics import usage_sums as sum_usage
 from minakv.worker.worker import Launched, StepResult
 
 MODES = ("plain", "kv_drop", "text_drop")
@@ -268,30 +270,21 @@ def gpu_busy(prof, wall_s: float) -> dict:
 
 
 def mean_p90(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "p90": None}
-    return {"mean": float(np.mean(values)), "p90": float(np.percentile(values, 90))}
+    # the summaries are shared with `minakv bench replay` (minakv/agent/replay/metrics.py)
+    s = summarize(values)
+    return {"mean": s["mean"], "p90": s["p90"]}
 
 
 def counters_delta(before: dict, after: dict) -> dict:
     """Differences of the engine's cumulative counters; KV bytes per decode token over the interval."""
-    names = ("prefill_tokens", "cache_hit_tokens", "prompt_tokens", "output_tokens", "decode_tokens",
-             "preemptions", "evictions")  # fmt: skip
-    out = {n: after.get(n, 0) - before.get(n, 0) for n in names if n in after}
-    per_tok = "kv_bytes_read_per_decode_token"
-    if per_tok in after and "decode_tokens" in after:
-        b_bytes = before.get(per_tok, 0) * before.get("decode_tokens", 0)
-        a_bytes = after[per_tok] * after["decode_tokens"]
-        steps = after["decode_tokens"] - before.get("decode_tokens", 0)
-        out[per_tok] = (a_bytes - b_bytes) / steps if steps else None
+    out = counter_deltas(before, after)
+    if KV_PER_TOKEN in after:
+        out.setdefault(KV_PER_TOKEN, None)  # no decode step in the interval
     return out
 
 
 def usage_sums(records: list[RoundRecord]) -> dict:
-    keys = ("prompt_tokens", "cached_tokens", "drop_skipped_tokens", "repos_tokens")
-    sums = {k: sum(rec.usage.get(k, 0) for rec in records) for k in keys}
-    sums["computed_tokens"] = sums["prompt_tokens"] - sums["cached_tokens"] - sums["drop_skipped_tokens"]
-    return sums
+    return sum_usage(rec.usage for rec in records)
 
 
 def latency(records: list[RoundRecord]) -> dict:
