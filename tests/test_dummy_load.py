@@ -22,7 +22,8 @@ def parameters(name: str) -> float:
         model = MODEL_CLASSES[config.arch](config)
     dense = sum(p.numel() for p in model.parameters())
     packed = sum(2 * b.numel() for n, b in model.named_buffers() if n.endswith("_blocks"))
-    return (dense + packed) / 1e9
+    fp8 = sum(b.numel() for b in model.buffers() if b.dtype == torch.float8_e4m3fn)
+    return (dense + packed + fp8) / 1e9
 
 
 @pytest.mark.parametrize(
@@ -62,3 +63,17 @@ def test_unknown_models_are_refused() -> None:
         Engine("not-a-model", load_format="dummy")
     with pytest.raises(ValueError, match="load_format"):
         Engine("tiny-gpt-oss", load_format="mmap")
+
+
+def test_a_dummy_minimax_engine_keeps_fp8_weights(tmp_path: Path) -> None:
+    c = dict(REAL_CONFIGS["minimax-m2"])
+    c.update(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, hidden_size=256, intermediate_size=128,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=32, vocab_size=512)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    engine = Engine(str(tmp_path), load_format="dummy", kv_cache_tokens=256)
+    layer = engine.model.layers[0]
+    assert layer.self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.self_attn.q_proj.weight_scale_inv.dtype == torch.float32
+    assert layer.mlp.experts.fp8 and layer.mlp.experts.gate_up.dtype == torch.float8_e4m3fn
+    out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4

@@ -50,7 +50,11 @@ def make_empty_model(config: ModelConfig, device: torch.device, dtype: torch.dty
         model = MODEL_CLASSES[config.arch](config)
     model.to_empty(device=device)
     model.tie_weights()
-    model.to(dtype)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    for name, b in model.named_buffers():  # quantised weights and their scales keep the checkpoint's dtypes
+        if b.is_floating_point() and b.dtype != torch.float8_e4m3fn and not name.endswith("_scale_inv"):
+            b.data = b.data.to(dtype)
     for p in model.fp32_parameters():
         p.data = p.data.float()
     model.requires_grad_(False)
@@ -81,6 +85,10 @@ def build_model(
             b.copy_(torch.randint(0, 256, b.shape, generator=gen, device=gen.device, dtype=torch.uint8))
         elif b.dtype == torch.uint8 and name.endswith("_scales"):  # 2^-7: values of std ~0.02, like the rest
             b.fill_(120)
+        elif b.dtype == torch.float8_e4m3fn:  # FP8 codes of std 1, with scales of 0.02 below
+            b.copy_(torch.randn(b.shape, generator=gen, device=gen.device).to(torch.float8_e4m3fn))
+        elif name.endswith("_scale_inv"):
+            b.fill_(0.02)
     return model
 
 

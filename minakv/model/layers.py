@@ -20,6 +20,7 @@ from torch import nn
 
 from minakv.model.config import ModelConfig
 from minakv.model.context import AttentionContext, AttentionLayer
+from minakv.ops.fp8_linear import linear_fp8
 from minakv.ops.norm import rms_norm
 from minakv.ops.rope import Rope
 
@@ -35,6 +36,32 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, self.weight_in_fp32)
 
 
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight stays as the checkpoint's FP8 e4m3 bytes with 128x128 block scales
+    (MiniMax-M2): half the bytes of bf16, dequantised in registers (minakv/ops/fp8_linear.py). The buffer
+    names are the checkpoint's (`weight`, `weight_scale_inv`)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        blocks = (-(-out_features // 128), -(-in_features // 128))
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_inv", torch.empty(blocks, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_fp8(x, self.weight, self.weight_scale_inv)
+
+
+def fp8_resident(config: ModelConfig) -> bool:
+    """Does the checkpoint store FP8 weights that stay FP8 (MiniMax-M2's block-scaled format)?"""
+    return (config.quantization or {}).get("quant_method") == "fp8"
+
+
+def make_linear(config: ModelConfig, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    if fp8_resident(config) and not bias:
+        return Fp8Linear(in_features, out_features)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
 def make_norm(config: ModelConfig, size: int) -> RMSNorm:
     return RMSNorm(size, config.rms_norm_eps, weight_in_fp32=config.arch == "gpt_oss")
 
@@ -48,10 +75,10 @@ class Attention(nn.Module):
         self.window = c.layer_windows[index]
         self.scale = c.head_dim**-0.5
         bias = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=bias)
+        self.q_proj = make_linear(c, c.hidden_size, c.num_heads * c.head_dim, bias)
+        self.k_proj = make_linear(c, c.hidden_size, c.num_kv_heads * c.head_dim, bias)
+        self.v_proj = make_linear(c, c.hidden_size, c.num_kv_heads * c.head_dim, bias)
+        self.o_proj = make_linear(c, c.num_heads * c.head_dim, c.hidden_size, bias)
         # MiniMax-M2 normalises the whole q / k vector (all heads at once) before the head split.
         self.q_norm = make_norm(c, c.num_heads * c.head_dim) if c.qk_norm else None
         self.k_norm = make_norm(c, c.num_kv_heads * c.head_dim) if c.qk_norm else None

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from minakv.model import default_device_dtype, make_empty_model
 from minakv.model.config import ModelConfig
 from minakv.model.gpt_oss import GptOssExperts
-from minakv.model.layers import CausalLM
+from minakv.model.layers import CausalLM, Fp8Linear, fp8_resident
 from minakv.model.minimax_m2 import MiniMaxM2Experts
 from minakv.model.quant import dequantize_fp8_block
 
@@ -136,6 +136,18 @@ def load_minimax_experts(
 ) -> None:
     e, two_i, h = experts.gate_up.shape
     i = two_i // 2
+    if experts.fp8:  # the bytes and block scales stay as stored (gate half's scale rows, then up half's)
+        g = -(-i // 128)
+        for j in range(e):
+            p = f"{prefix}.{j}"
+            for name, rows, into, scales in ((".w1", slice(0, i), experts.gate_up, slice(0, g)),
+                                             (".w3", slice(i, 2 * i), experts.gate_up, slice(g, 2 * g)),
+                                             (".w2", slice(None), experts.down, slice(None))):  # fmt: skip
+                shape = (h, i) if name == ".w2" else (i, h)
+                into[j, rows].copy_(ckpt.get(p + name + ".weight", shape).to(device))
+                scale = experts.gate_up_scale_inv if name != ".w2" else experts.down_scale_inv
+                scale[j, scales].copy_(ckpt.get(p + name + ".weight_scale_inv").to(device))
+        return
     for j in range(e):
         p = f"{prefix}.{j}"
         experts.gate_up.data[j, :i].copy_(ckpt.weight(p + ".w1.weight", (i, h), device, block))
@@ -143,14 +155,24 @@ def load_minimax_experts(
         experts.down.data[j].copy_(ckpt.weight(p + ".w2.weight", (h, i), device, block))
 
 
+def load_fp8_linear(module: Fp8Linear, name: str, ckpt: Checkpoint, device: torch.device) -> None:
+    module.weight.copy_(ckpt.get(name + ".weight", tuple(module.weight.shape)).to(device))
+    scale = ckpt.get(name + ".weight_scale_inv", tuple(module.weight_scale_inv.shape))
+    module.weight_scale_inv.copy_(scale.to(device))
+
+
 def load_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device) -> None:
     config = model.config
     block = int(((config.quantization or {}).get("weight_block_size") or [128])[0])
+    if fp8_resident(config) and block != 128:
+        raise CheckpointError(f"FP8 weights need 128x128 scale blocks, the config says {block}")
     for name, module in model.named_modules():
         if isinstance(module, GptOssExperts):
             load_gpt_oss_experts(module, checkpoint_name(config, name), ckpt, device)
         elif isinstance(module, MiniMaxM2Experts):
             load_minimax_experts(module, checkpoint_name(config, name), ckpt, device, block)
+        elif isinstance(module, Fp8Linear):
+            load_fp8_linear(module, checkpoint_name(config, name), ckpt, device)
     for name, param in model.named_parameters():  # tied lm_head is listed once, as embed_tokens
         if ".experts." in name:
             continue

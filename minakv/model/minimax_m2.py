@@ -12,18 +12,37 @@ import torch
 from torch import nn
 
 from minakv.model.config import ModelConfig
-from minakv.model.layers import CausalLM
+from minakv.model.layers import CausalLM, fp8_resident
+from minakv.ops.fp8_moe import moe_fp8
+from minakv.ops.fp8_tile import KEYS
 from minakv.ops.moe import moe, route_sigmoid_bias
 
 
 class MiniMaxM2Experts(nn.Module):
+    """The experts' weights as parameters, or (`fp8`: an FP8 checkpoint) as its e4m3 bytes with 128x128
+    block scales, resident: gate_up [E, 2I, H] with its gate half's scale grid then its up half's, down
+    [E, H, I] (minakv/ops/fp8_tile.py), dequantised in registers by minakv/ops/fp8_moe.py."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down = nn.Parameter(torch.empty(e, h, i))
+        self.fp8 = fp8_resident(config)
+        if self.fp8:
+
+            def blocks(n: int) -> int:
+                return -(-n // 128)
+
+            self.register_buffer("gate_up", torch.empty(e, 2 * i, h, dtype=torch.float8_e4m3fn))
+            self.register_buffer("gate_up_scale_inv", torch.empty(e, 2 * blocks(i), blocks(h)))
+            self.register_buffer("down", torch.empty(e, h, i, dtype=torch.float8_e4m3fn))
+            self.register_buffer("down_scale_inv", torch.empty(e, blocks(h), blocks(i)))
+        else:
+            self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+            self.down = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return moe_fp8(x, {k: getattr(self, k) for k in KEYS}, weights, ids, activation="silu")
         return moe(x, self.gate_up, self.down, weights, ids, activation="silu")
 
 

@@ -4,8 +4,8 @@ MiniMax-M2 with random weights in each checkpoint's own precision, offline, with
 The configs are the published `config.json` fields minakv reads (docs: ../shared/reference/models.md in the
 project's source tree; the model cards for parameter counts). With `load_format="dummy"`, `Engine(name)`
 builds the model straight on the device from one of these (or from a local directory's config.json), with
-random weights: GPT-OSS experts as packed MXFP4 bytes (as the checkpoint stores them), everything else in
-the engine's dtype. Only the tokenizer of GPT-OSS can be built offline (DESIGN: o200k_harmony from the
+random weights in the checkpoint's precision: GPT-OSS experts as packed MXFP4 bytes, MiniMax-M2's attention
+projections and experts as FP8 with 128x128 block scales, everything else in the engine's dtype. Only the tokenizer of GPT-OSS can be built offline (DESIGN: o200k_harmony from the
 quicktok-v1 package); without it a dummy engine takes token ids only.
 """
 
@@ -83,6 +83,11 @@ REAL_CONFIGS: dict[str, dict[str, Any]] = {
         "hidden_act": "silu",
         "bos_token_id": 200034,
         "eos_token_id": 200020,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "float8_e4m3fn",
+            "weight_block_size": [128, 128],
+        },
     },
 }
 # Hub ids people pass for the same models
