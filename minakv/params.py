@@ -5,7 +5,40 @@ Validation lives in `SamplingParams.check()` so every entry point rejects bad va
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Grammar:
+    """Structured outputs: what the whole output must match, as plain data. Exactly one of
+    - `json_schema`: the output is one JSON value valid under this schema (`{"type": "object"}`: any object);
+    - `lark`: an llguidance Lark grammar (special tokens as `<|name|>` or `<[id]>`; `%json {...}` inlines
+      a schema; minakv/grammar/formats.py builds the chat-format ones: harmony, MiniMax tool calls);
+    - `regex`: the output matches this regular expression (Rust `regex` syntax).
+    It is compiled for the model's tokenizer when the request is made (minakv/grammar/compiler.py)."""
+
+    json_schema: dict[str, Any] | None = None
+    lark: str | None = None
+    regex: str | None = None
+
+    def check(self) -> None:
+        given = [name for name in ("json_schema", "lark", "regex") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"grammar needs exactly one of json_schema, lark, regex; got {given or 'none'}")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(f"grammar json_schema must be an object, got {type(self.json_schema).__name__}")
+        for name in ("lark", "regex"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"grammar {name} must be a non-empty string")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): the cache key. Key order is kept: it is the order the properties are written in."""
+        if self.json_schema is not None:
+            return "json_schema", json.dumps(self.json_schema)
+        return ("lark", self.lark) if self.lark is not None else ("regex", str(self.regex))
 
 
 @dataclass
@@ -24,6 +57,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # logits of prompt and output tokens: / r if positive, * r if not
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    grammar: Grammar | None = None  # structured outputs: the output must match it
 
     def check(self) -> None:
         """Raise ValueError naming the field for any value the engine cannot honour."""
@@ -61,6 +95,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar):
+                raise ValueError(f"grammar must be a Grammar, got {type(self.grammar).__name__}")
+            self.grammar.check()
 
     @property
     def penalized(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from minakv.cache.program import compile_program
+from minakv.grammar import compile_grammar
 from minakv.model.config import ModelConfig
 from minakv.params import SamplingParams
 from minakv.scheduler.request import Request
@@ -87,4 +88,7 @@ def make_request(
         raise ValueError(f"the first generated token would sit at position {program.next_pos}, past {limit}")
     eos = list(tokenizer.eos_token_ids) if tokenizer is not None else []
     eos += [t for t in config.eos_token_ids if t not in eos]
-    return Request(ids, params, program, eos_token_ids=eos)
+    # structured outputs: compiled here, in the caller's thread (cached per tokenizer and grammar), so the
+    # engine's step only advances the matcher and asks it for masks
+    grammar = compile_grammar(params.grammar, tokenizer, config.vocab_size, eos) if params.grammar else None
+    return Request(ids, params, program, eos_token_ids=eos, grammar=grammar)

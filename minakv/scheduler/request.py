@@ -25,6 +25,7 @@ from typing import Any
 from minakv.cache.keys import PageKey
 from minakv.cache.plan import Plan
 from minakv.cache.program import Program
+from minakv.grammar import GrammarMatcher
 from minakv.outputs import RequestOutput, TokenLogprob, Usage
 from minakv.params import SamplingParams
 
@@ -43,6 +44,7 @@ class Request:
     params: SamplingParams
     program: Program
     eos_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # structured outputs: advanced with every output token
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

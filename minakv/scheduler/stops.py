@@ -1,8 +1,9 @@
 """Applying a sampled token to a request: detokenize, and decide whether generation ends here.
 
-Ends with "stop" on an end-of-sequence token (unless ignore_eos), a stop token id, or a stop string (the text
-is cut before it); with "length" at max_tokens, at the engine's max_model_len, or when the next position
-would reach the model's limit.
+Ends with "stop" on an end-of-sequence token (unless ignore_eos), a stop token id, a stop string (the text
+is cut before it), or when the request's grammar is complete (structured outputs: nothing may follow); with
+"length" at max_tokens, at the engine's max_model_len, or when the next position would reach the model's
+limit; with "error" if the grammar refuses the token (its mask makes that impossible).
 
 This runs for every request in every engine step, so its work per token is O(1), whatever the output's
 length: the text grows by what an incremental detokenizer (minakv/text/detokenize.py) says the token
@@ -42,6 +43,12 @@ def apply_token(r: Request, token: int, logprob: TokenLogprob | None, tokenizer,
                     r.text = r.text[:at]
                     r.finish_reason = "stop"
                     return True
+    if r.grammar is not None:
+        if not r.grammar.accept(token):
+            r.error = f"token {token} breaks the request's grammar: {r.grammar.error}"
+            return _finish(r, "error")
+        if r.grammar.done:
+            return _finish(r, "stop")
     n = len(r.output_ids)
     limit = r.program.max_positions
     if (

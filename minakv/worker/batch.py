@@ -60,6 +60,10 @@ class ForwardBatch:
     sample_penalty_rows: list[int] = field(default_factory=list)  # row of the penalty tables, -1: none
     # penalty-table rows to (re)fill before the step: (row, prompt ids, output ids so far)
     penalty_resets: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    # structured outputs: the sample rows with a grammar, and the tokens each may sample as a bitmask
+    # [len(mask_rows), ceil(V / 32)] int32 (bit j of word w: token 32 w + j), filled by their matchers
+    mask_rows: list[int] = field(default_factory=list)
+    token_mask: np.ndarray | None = None
     # the scheduler's own note, which the worker never reads: the request of each sample row
     scheduled: list[Any] = field(default_factory=list)
 

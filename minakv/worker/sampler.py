@@ -18,7 +18,10 @@ reaches top_p (the first token always stays); min-p keeps z >= max z + log(min_p
 Tokens tied with the last kept one are kept too. The sort runs only when some row asks for top-k or top-p.
 
 Before any of that, a row's logit bias is added and its penalties applied (repetition, presence, frequency:
-minakv/worker/penalties.py keeps each penalised request's token counts on the device), on a copy.
+minakv/worker/penalties.py keeps each penalised request's token counts on the device), on a copy. Last, the
+rows with a grammar (structured outputs) get their token mask: one bitmask for the step, filled on the host
+by the matchers (minakv/grammar/matcher.py), unpacked and applied to all those rows at once; a disallowed
+token's logit becomes -inf, so greedy and sampled rows alike pick an allowed one.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), as OpenAI reports them.
 The host reads everything back in one transfer at the end of the step (`sample_to_host`).
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minakv.ops.sampling import gumbel_argmax_triton, top_p_threshold_triton
@@ -63,6 +67,9 @@ class SamplingTensors:
     penalty_rows: torch.Tensor | None = None  # [R] int64: the row of the penalty tables, -1 for none
     penalties: torch.Tensor | None = None  # [3, R] float32: presence, frequency, repetition
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, token, value) triples
+    # structured outputs: None when no row has a grammar
+    mask_rows: torch.Tensor | None = None  # [G] int64: the sample rows with a grammar
+    token_mask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32: their allowed tokens, one bit each
 
     @staticmethod
     def build(
@@ -71,9 +78,12 @@ class SamplingTensors:
         counters: list[int],
         device: torch.device | str,
         penalty_rows: list[int] | None = None,
+        mask_rows: list[int] | None = None,
+        token_mask: np.ndarray | None = None,
     ) -> SamplingTensors:
         """seeds: one per row (the request's seed, or one drawn once for it); counters: how many tokens the
-        request has generated so far; penalty_rows: each row's row of the penalty tables (-1: none).
+        request has generated so far; penalty_rows: each row's row of the penalty tables (-1: none);
+        mask_rows and token_mask: the rows with a grammar and their bitmask (ForwardBatch.token_mask).
         O(batch) host work (plus the logit-bias entries) and a few small host-to-device copies."""
         greedy = [p.temperature < MIN_TEMPERATURE for p in params]
         floats = torch.tensor(
@@ -120,6 +130,10 @@ class SamplingTensors:
                 torch.tensor(toks, dtype=torch.int64).to(device),
                 torch.tensor(vals, dtype=torch.float32).to(device),
             )
+        if mask_rows:  # one copy of the bitmask (4 bytes per 32 tokens per constrained row); non_blocking:
+            # the host does not wait for the step before (pageable memory is staged at once: safe)
+            extra["mask_rows"] = torch.tensor(mask_rows, dtype=torch.int64).to(device, non_blocking=True)
+            extra["token_mask"] = torch.from_numpy(token_mask).to(device, non_blocking=True)
         return SamplingTensors(
             temperature=f[0],
             top_k=top_k,
@@ -209,16 +223,32 @@ def top_p_threshold_sorted(z: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def adjust(logits: torch.Tensor, t: SamplingTensors, tables: PenaltyTables | None) -> torch.Tensor:
-    """The logits sampling draws from: the logit bias added, then the penalties (a copy; the raw logits
-    still give the logprobs)."""
-    if t.bias is None and t.penalty_rows is None:
+    """The logits sampling draws from: the logit bias added, then the penalties, then the grammar masks (a
+    copy; the raw logits still give the logprobs)."""
+    if t.bias is None and t.penalty_rows is None and t.token_mask is None:
         return logits
     logits = logits.clone()
     if t.bias is not None:
         logits.index_put_(t.bias[:2], t.bias[2], accumulate=True)
     if t.penalty_rows is not None and tables is not None:
         logits = tables.apply(logits, t.penalty_rows, *t.penalties)
+    if t.token_mask is not None:  # last, so nothing above can re-allow a token
+        rows = logits.index_select(0, t.mask_rows)
+        rows.masked_fill_(~allowed(t.token_mask, logits.shape[-1]), float("-inf"))
+        logits.index_copy_(0, t.mask_rows, rows)
     return logits
+
+
+_bit_shifts: dict[torch.device, torch.Tensor] = {}
+
+
+def allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A bitmask [G, ceil(V / 32)] int32 -> [G, V] bool: token 32 w + j is allowed iff bit j of word w is
+    set."""
+    if mask.device not in _bit_shifts:
+        _bit_shifts[mask.device] = torch.arange(32, dtype=torch.int32, device=mask.device)
+    bits = (mask[:, :, None] >> _bit_shifts[mask.device]) & 1  # arithmetic shift; & 1 keeps the one bit
+    return bits.view(mask.shape[0], -1)[:, :vocab].bool()
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, tables: PenaltyTables | None = None) -> torch.Tensor:

@@ -108,6 +108,8 @@ class Worker:
             batch.sample_counters,
             self.device,
             batch.sample_penalty_rows,
+            batch.mask_rows,
+            batch.token_mask,
         )
         tokens, packed = sample_packed(logits, t, self.penalties)
         self.last_tokens = tokens
