@@ -58,8 +58,13 @@ def test_summarize_matches_numpy() -> None:
 
 
 def test_usage_sums_and_flat_usage() -> None:
-    nested = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-              "prompt_tokens_details": {"cached_tokens": 4, "repos_tokens": 2, "drop_skipped_tokens": 1}}  # fmt: skip
+    details = {"cached_tokens": 4, "repos_tokens": 2, "drop_skipped_tokens": 1}
+    nested = {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
+        "prompt_tokens_details": details,
+    }
     flat = flat_usage(nested)
     assert flat == {"prompt_tokens": 10, "completion_tokens": 3, "cached_tokens": 4, "drop_skipped_tokens": 1,
                     "repos_tokens": 2}  # fmt: skip
@@ -81,8 +86,9 @@ minakv_http_responses_total{route="/v1/chat/completions",status="200"} 4.0
     after = parse_prometheus(page)
     assert after["decode_tokens"] == 30 and after["minakv:time_to_first_token_seconds_count"] == 4
     assert "http_responses_total" not in after
+    ttft = "minakv:time_to_first_token_seconds"
     before = {"decode_tokens": 10.0, "kv_bytes_read_per_decode_token": 100.0, "prefill_tokens": 200.0,
-              "minakv:time_to_first_token_seconds_sum": 1.0, "minakv:time_to_first_token_seconds_count": 2.0}  # fmt: skip
+              ttft + "_sum": 1.0, ttft + "_count": 2.0}  # fmt: skip
     d = counter_deltas(before, after)
     assert d["decode_tokens"] == 20 and d["prefill_tokens"] == 300
     assert d["kv_bytes_read_per_decode_token"] == pytest.approx((150 * 30 - 100 * 10) / 20)  # this interval's
@@ -115,8 +121,8 @@ def test_policy_messages_ops_and_dropped() -> None:
     assert (
         plain.messages(history) == history and plain.extra_body(history) == {} and not plain.dropped(history)
     )
-    assert kv.messages(history) == history and kv.extra_body(history) == {"cache": {"drop": {"7": [3]},
-                                                                                    "reposition": []}}  # fmt: skip
+    assert kv.messages(history) == history
+    assert kv.extra_body(history) == {"cache": {"drop": {"7": [3]}, "reposition": []}}
     assert kv.dropped(history) == {3}
     assert len(text.messages(history)) == len(history) - 1 and not text.dropped(history)
 

@@ -56,8 +56,9 @@ def test_replay_plain_vs_kv_drop(server, tmp_path) -> None:
     before = wait_idle(engine)
     argv = ["bench", "replay", "--url", url, "--tasks", "2", "--rounds", str(ROUNDS), "--synthetic",
             "--tool-tokens", "40", "--max-tool-tokens", "160", "--system-tokens", "48", "--user-tokens", "16",
-            "--output-tokens", str(OUTPUT), "--parallel", "0.3", "--seed", "5", "--policies", "plain,kv_drop:K=2",
-            "--out", str(tmp_path), "--no-progress", "--salt", "7"]  # fmt: skip
+            "--output-tokens", str(OUTPUT), "--parallel", "0.3", "--seed", "5",
+            "--policies", "plain,kv_drop:K=2", "--out", str(tmp_path), "--no-progress",
+            "--salt", "7"]  # fmt: skip
     assert main(argv) == 0  # the model name comes from /v1/models
     after = wait_idle(engine)
 

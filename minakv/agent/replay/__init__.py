@@ -1,6 +1,7 @@
 """Replaying agent trajectories through an OpenAI-compatible server, to see what cache policies buy.
 
-    from minakv.agent.replay import Prices, Settings, parse_policies, replay, summarize_run, synthetic_trajectories
+    from minakv.agent.replay import Prices, Settings, parse_policies, replay, summarize_run
+    from minakv.agent.replay import synthetic_trajectories
     runs = replay("http://127.0.0.1:8000", synthetic_trajectories(4), parse_policies("plain,kv_drop:K=4"),
                   Settings(model="tiny-gpt-oss"), concurrency=4)
     print([summarize_run(r, Prices())["cost"]["total"] for r in runs])

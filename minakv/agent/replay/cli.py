@@ -60,8 +60,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-ignore-eos", action="store_true", help="let answers stop early (and not send ignore_eos)"
     )
-    p.add_argument("--tokenizer", default=None, help="count tokens with this model's tokenizer and template "
-                   "(exact active context, needed by after=T; default: --model if it is a preset or a folder)")  # fmt: skip
+    p.add_argument("--tokenizer", default=None,
+                   help="count tokens with this model's tokenizer and template (exact active context; "
+                   "needed by after=T; default: --model if it is a preset or a folder)")  # fmt: skip
     p.add_argument("--salt", default=None, help="system-prompt salt keeping policies apart (default random)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -115,7 +116,8 @@ def load_trajectories(args: argparse.Namespace) -> list:
         return found[: args.num] if args.num else found
     spec = SyntheticSpec(
         rounds=args.rounds or 8, system_tokens=args.system_tokens, user_tokens=args.user_tokens,
-        tool_tokens=args.tool_tokens, distribution=args.tool_dist, sigma=args.tool_sigma, alpha=args.tool_alpha,
+        tool_tokens=args.tool_tokens, distribution=args.tool_dist, sigma=args.tool_sigma,
+        alpha=args.tool_alpha,
         min_tool_tokens=args.min_tool_tokens, max_tool_tokens=args.max_tool_tokens,
         output_tokens=args.output_tokens, parallel=args.parallel,
     )  # fmt: skip
@@ -123,12 +125,9 @@ def load_trajectories(args: argparse.Namespace) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    if (
-        args.tasks < 1
-        or (args.rounds is not None and args.rounds < 1)
-        or (args.num is not None and args.num < 1)
-    ):
-        raise ValueError("--tasks, --rounds and --num must be positive")
+    for name in ("tasks", "rounds", "num"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            raise ValueError(f"--{name} must be positive")
     policies = parse_policies(args.policies)
     prices = Prices.parse(args.prices) if args.prices else Prices()
     trajectories = load_trajectories(args)
@@ -142,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
         write_jsonl(trajectories, args.out / "trajectories.jsonl")
     print(f"replaying {len(trajectories)} tasks, {args.tasks} at a time, on {args.model} at {args.url}: "
           f"{', '.join(p.label for p in policies)}", flush=True)  # fmt: skip
-    runs = replay(args.url, trajectories, policies, settings, concurrency=args.tasks, api_key=args.api_key,
-                  counter=counter, salt=salt, progress=not args.no_progress, timeout=args.timeout)  # fmt: skip
+    runs = replay(args.url, trajectories, policies, settings, concurrency=args.tasks,
+                  api_key=args.api_key, counter=counter, salt=salt, progress=not args.no_progress,
+                  timeout=args.timeout)  # fmt: skip
     summaries = [summarize_run(r, prices) for r in runs]
     meta = {
         "url": args.url, "model": args.model, "tasks": args.tasks, "trajectories": len(trajectories),

@@ -25,7 +25,8 @@ from minakv.agent.policy import CachePolicy
 
 AKV_KEEP = 12
 OPTIONS = {"K": "keep_tool_results", "target": "target", "every": "reposition_every_calls",
-           "first": "reposition_first_call", "after": "reposition_after_tokens", "thinking": "thinking_drop"}  # fmt: skip
+           "first": "reposition_first_call", "after": "reposition_after_tokens",
+           "thinking": "thinking_drop"}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ def _mean(values: list[float]) -> float | None:
 
 def per_round(records: Sequence[Record], prices: Prices) -> dict[str, list]:
     rounds = sorted({r.round for r in records})
-    series: dict[str, list] = {k: [] for k in ("round", "tasks", "latency_s", "ttft_ms", "active_tokens",
-                                               "prompt_tokens", "computed_tokens", "cost", "cumulative_cost")}  # fmt: skip
+    keys = ("round", "tasks", "latency_s", "ttft_ms", "active_tokens", "prompt_tokens", "computed_tokens",
+            "cost", "cumulative_cost")  # fmt: skip
+    series: dict[str, list] = {k: [] for k in keys}
     total = 0.0
     for n in rounds:
         mine = [r for r in records if r.round == n]
@@ -75,7 +76,8 @@ def summarize_run(run: PolicyRun, prices: Prices) -> dict:
         "kv_bytes_per_decode_token": server.get(KV_PER_TOKEN),
         "active_tokens": summarize(r.active_tokens for r in recs),
         "active_exact": all(r.active_exact for r in recs),
-        "throughput": {"input_tok_s": sums["prompt_tokens"] / run.wall_s, "output_tok_s": completion / run.wall_s,
+        "throughput": {"input_tok_s": sums["prompt_tokens"] / run.wall_s,
+                       "output_tok_s": completion / run.wall_s,
                        "actual_prefill_tok_s": sums["computed_tokens"] / run.wall_s},
         "cost": total_cost([(r.usage, r.active_tokens) for r in recs], prices),
         "cost_sent": total_cost([(r.usage, None) for r in recs], prices),
@@ -101,8 +103,10 @@ def table(summaries: Sequence[dict]) -> str:
         rows.append(
             f"| {s['policy']} | {s['wall_s']:.2f} | {p['logical']} | {p['actual']} | {p['cached']} | "
             f"{p['drop_skipped']} | {p['re_rotated']} | {s['decode']['logical']} | "
-            f"{_f(t['p50'])}/{_f(t['p90'])}/{_f(t['p99'])} | {_f(o['p50'], 2)}/{_f(o['p90'], 2)}/{_f(o['p99'], 2)} | "
-            f"{_f(s['server'].get('server_tpot_ms'), 2)} | {_f(s['kv_bytes_per_decode_token'], 0)} | {_f(s['active_tokens']['mean'], 0)} | "
+            f"{_f(t['p50'])}/{_f(t['p90'])}/{_f(t['p99'])} | "
+            f"{_f(o['p50'], 2)}/{_f(o['p90'], 2)}/{_f(o['p99'], 2)} | "
+            f"{_f(s['server'].get('server_tpot_ms'), 2)} | {_f(s['kv_bytes_per_decode_token'], 0)} | "
+            f"{_f(s['active_tokens']['mean'], 0)} | "
             f"{s['cost']['total']:.6f} | {rel} | {s['cost_sent']['total']:.6f} |"
         )
     return "\n".join(rows)
