@@ -41,6 +41,17 @@ ERRORS = {
 }
 
 
+# one Server-Sent Event: `data` is a chunk as JSON (`response` below), an error object, or `[DONE]`
+SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string", "contentMediaType": "application/json"},
+        "event": {"type": "string"},
+    },
+    "required": ["data"],
+}
+
+
 def ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
@@ -61,31 +72,85 @@ def generation(request: str, response: str, what: str) -> dict[str, Any]:
         "description": f"the {what}; with `stream`, Server-Sent Events (`data: <chunk>`, then `data: [DONE]`)",
         "content": {
             "application/json": {"schema": ref(response)},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {"schema": SSE_EVENT},
         },
     }
     return {"post": {"requestBody": {"required": True, **json_body(ref(request))},
                      "responses": answers(ok, 400, 401, 404, 413, 500, 503)}}  # fmt: skip
 
 
+# What the checks accept beyond the types (prompts.py, SamplingParams.check, the renderer): said here for
+# clients, and so that a fuzzer's well-formed requests reach generation instead of stopping at a 400.
+ACCEPTED = {
+    "temperature": {"minimum": 0, "maximum": 100},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1},  # 0 and -1: no limit
+    "min_p": {"minimum": 0, "maximum": 1},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 10},
+    "seed": {"minimum": 0, "maximum": 2**63 - 1},
+    "n": {"const": 1},
+    "logit_bias": {"maxProperties": 1024, "propertyNames": {"pattern": "^[0-9]+$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+    "tool_choice": {"enum": ["auto", "none"]},  # no constrained decoding: no "required", no named function
+    "reasoning_effort": {"enum": ["low", "medium", "high"]},
+    "response_format": {"properties": {"type": {"const": "text"}}},
+    "chat_template_kwargs": {"additionalProperties": False, "properties": {  # prompts.TEMPLATE_VARIABLES
+        "reasoning_effort": {"enum": ["low", "medium", "high"]}, "model_identity": {"type": "string"},
+        "builtin_tools": {"type": "array", "items": {"enum": ["browser", "python"]}},
+        "enable_thinking": {"type": "boolean"}}},
+    "best_of": {"const": 1},
+    "echo": {"const": False},
+    "suffix": {"maxLength": 0},
+}  # fmt: skip
+
+
+def narrow(schema: dict[str, Any], **rules: Any) -> None:
+    """Add `rules` to a field's schema: to its non-null branch if it is nullable (`anyOf [X, null]`)."""
+    branches = [b for b in schema.get("anyOf", []) if b.get("type") != "null"]
+    target = branches[0] if len(branches) == 1 else schema
+    if "anyOf" in schema and len(branches) > 1 and "enum" in rules:  # e.g. tool_choice: str | object
+        schema["anyOf"] = [{"type": "string", **rules}, {"type": "null"}]
+        return
+    target.update(rules)
+
+
 def constrain(components: dict[str, Any], names: tuple[str, ...], limits: Limits, max_model_len: int) -> None:
-    """The app's own values in the request schemas: the checks in limits.py and prompts.py use the same."""
+    """The app's own values (model names, limits, max_model_len: the checks in limits.py and prompts.py use
+    the same) and ACCEPTED in the request schemas."""
     for request in ("ChatCompletionRequest", "CompletionRequest"):
         props = components[request]["properties"]
         props["model"]["enum"] = list(names)
+        for field, rules in ACCEPTED.items():
+            if field in props:
+                narrow(props[field], **rules)
         for field in ("max_tokens", "max_completion_tokens"):
             if field in props:
-                props[field]["anyOf"][0].update(minimum=1, maximum=max_model_len - 1)
-        stop = props["stop"]["anyOf"]
-        stop[0]["maxLength"] = limits.max_stop_chars
-        stop[1].update(maxItems=limits.max_stop)
-        stop[1]["items"]["maxLength"] = limits.max_stop_chars
-        props["stop_token_ids"]["anyOf"][0]["maxItems"] = limits.max_stop_token_ids
+                narrow(props[field], minimum=1, maximum=max_model_len - 1)
+        one, many = props["stop"]["anyOf"][:2]
+        one.update(minLength=1, maxLength=limits.max_stop_chars)
+        many.update(
+            maxItems=limits.max_stop,
+            items={"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars},
+        )
+        narrow(
+            props["stop_token_ids"],
+            maxItems=limits.max_stop_token_ids,
+            items={"type": "integer", "minimum": 0},
+        )
     chat = components["ChatCompletionRequest"]["properties"]
     chat["messages"].update(minItems=1, maxItems=limits.max_messages)
-    chat["tools"]["anyOf"][0]["maxItems"] = limits.max_tools
-    chat["top_logprobs"]["anyOf"][0].update(minimum=0, maximum=20)
-    components["CompletionRequest"]["properties"]["logprobs"]["anyOf"][0].update(minimum=0, maximum=20)
+    narrow(chat["tools"], maxItems=limits.max_tools)
+    narrow(chat["top_logprobs"], minimum=0, maximum=20)
+    part = components["ContentPart"]
+    part["properties"]["type"] = {"const": "text"}  # text parts only
+    part["properties"]["text"] = {"type": "string"}
+    part["required"] = ["type", "text"]
+    completion = components["CompletionRequest"]["properties"]
+    narrow(completion["logprobs"], minimum=0, maximum=20)
+    completion["prompt"] = {"anyOf": [{"type": "string", "minLength": 1},
+                                      {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)

@@ -34,9 +34,8 @@ from minakv.server.cache_ops import CacheOps
 from minakv.server.protocol import RequestError, decode_request
 from minakv.text.chat import render
 
-LARGE_BODY = (
-    256 << 10
-)  # decode bodies past this size in the worker thread; smaller ones cost less than the hop
+# bodies past this size are decoded in the worker thread; a smaller one decodes faster than the thread hop
+LARGE_BODY = 256 << 10
 T = TypeVar("T")
 
 
@@ -132,15 +131,17 @@ def chat_tokens(
 
 
 def to_tokens(engine: Engine, prompt: Any, ops: CacheOps | None = None, param: str = "prompt") -> Tokenized:
-    """Any engine prompt in token form. Prompts already in it pass through (the engine checks them); so do
-    all prompts of a model without a tokenizer, which the engine refuses with its own message."""
+    """Any engine prompt in token form. Prompts already in it pass through (the engine checks them), and
+    so does text for a model without a tokenizer, which the engine refuses with its own message."""
+    if isinstance(prompt, list):
+        return Tokenized(prompt, len(prompt))
+    if isinstance(prompt, dict) and isinstance(prompt.get("message_tokens"), list):
+        return Tokenized(prompt, sum(len(m) for m in prompt["message_tokens"] if isinstance(m, list)))
     if engine.tokenizer is None:
         return Tokenized(prompt, 0)
     if isinstance(prompt, str):
         ids = Bounded(engine.tokenizer, engine.max_model_len, param).encode(prompt)
         return Tokenized(ids, len(ids))
-    if isinstance(prompt, dict) and "messages" in prompt and "message_tokens" not in prompt:
+    if isinstance(prompt, dict) and "messages" in prompt:
         return chat_tokens(engine, prompt, ops, param)
-    if isinstance(prompt, dict) and isinstance(prompt.get("message_tokens"), list):
-        return Tokenized(prompt, sum(len(m) for m in prompt["message_tokens"] if isinstance(m, list)))
-    return Tokenized(prompt, len(prompt) if isinstance(prompt, list) else 0)
+    return Tokenized(prompt, 0)
