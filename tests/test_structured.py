@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minakv import Engine, SamplingParams
-from minakv.grammar import chat_json, chat_tool_call, compile_grammar
+from minakv.grammar import chat_output, compile_grammar
 from minakv.grammar.compiler import compiler_for
 from minakv.params import Grammar
 from minakv.text.parsers import parse_output
@@ -119,36 +119,29 @@ def test_json_object_is_an_object(engine: Engine) -> None:
         assert isinstance(json.loads(out.text), dict)
 
 
-def test_chat_answer_in_the_family_format(engine: Engine) -> None:
+@pytest.mark.parametrize("mode", ["answer", "required", "named", "either"])
+def test_chat_turn_in_the_family_format(engine: Engine, mode: str) -> None:
+    """The answer (response_format), a call of any tool (tool_choice "required"), of one (named), or
+    either (tools on "auto" with a response_format): parsed by the family's own output parser."""
     arch = ARCHS[engine.model_name]
-    grammar = chat_json(arch, engine.tokenizer, SCHEMAS[1])
-    prompt = {"messages": [{"role": "user", "content": "Who is it?"}]}
-    outs = engine.generate(
-        [prompt] * 4, [SamplingParams(max_tokens=96, seed=i, grammar=grammar) for i in range(4)]
-    )
-    for out in outs:
-        assert out.finish_reason == "stop", out.text
-        parsed = parse_output(engine.tokenizer.decode(out.token_ids), arch)
-        assert parsed.reasoning_content is None and not parsed.tool_calls
-        jsonschema.validate(json.loads(parsed.content), SCHEMAS[1])
-
-
-@pytest.mark.parametrize("named", [False, True])
-def test_tool_call_in_the_family_format(engine: Engine, named: bool) -> None:
-    arch = ARCHS[engine.model_name]
-    tools = TOOLS[1:] if named else TOOLS
-    grammar = chat_tool_call(arch, engine.tokenizer, tools)
+    tools = {"answer": None, "required": TOOLS, "named": TOOLS[1:], "either": TOOLS}[mode]
+    answer = SCHEMAS[1] if mode in ("answer", "either") else None
+    grammar = chat_output(arch, engine.tokenizer, answer=answer, tools=tools)
     prompt = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS}
-    outs = engine.generate(
-        [prompt] * 6, [SamplingParams(max_tokens=128, seed=i, grammar=grammar) for i in range(6)]
-    )
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    for out in outs:
+    params = [SamplingParams(max_tokens=128, seed=i, grammar=grammar) for i in range(6)]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools or []}
+    kinds = set()
+    for out in engine.generate([prompt] * 6, params):
         assert out.finish_reason == "stop", out.text
         parsed = parse_output(engine.tokenizer.decode(out.token_ids), arch, TOOLS)
-        assert parsed.tool_calls and not parsed.content, out.text
+        assert parsed.reasoning_content is None and bool(parsed.content) != bool(parsed.tool_calls), out.text
+        if parsed.content:
+            jsonschema.validate(json.loads(parsed.content), answer)
         for call in parsed.tool_calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        kinds.add("answer" if parsed.content else "call")
+    # (with "either" the random model may well always take the same branch: both are valid)
+    assert kinds <= {"answer", "call"} if mode == "either" else kinds == ({"answer"} if answer else {"call"})
 
 
 def test_overlap_on_and_off_give_the_same_tokens() -> None:

@@ -2,7 +2,7 @@
 step's token masks, and the chat-format grammars of each model family."""
 
 from minakv.grammar.compiler import compile_grammar
-from minakv.grammar.formats import chat_json, chat_tool_call
+from minakv.grammar.formats import chat_output
 from minakv.grammar.matcher import GrammarMatcher, fill_masks
 
-__all__ = ["GrammarMatcher", "chat_json", "chat_tool_call", "compile_grammar", "fill_masks"]
+__all__ = ["GrammarMatcher", "chat_output", "compile_grammar", "fill_masks"]

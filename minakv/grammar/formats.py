@@ -28,51 +28,55 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from minakv.grammar.compiler import JSON_OPTIONS
 from minakv.params import Grammar
 
-JSON_OPTIONS = {"whitespace_flexible": False}  # as compiler.JSON_OPTIONS: compact JSON
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
-HARMONY_ANSWER = """start: <|channel|> "final" <|message|> answer <|return|>
-answer: {json}"""
+# `start` picks the answer, the tool calls, or either (tools on "auto" with a response_format)
+HARMONY_START = "start: <|channel|> ({choices})"
+HARMONY_ANSWER = 'answer: "final" <|message|> {json} <|return|>'
+HARMONY_CALLS = 'calls: "commentary to=functions." ({calls})'
 HARMONY_CALL = """call{i}: {name} <|constrain|> "json" <|message|> args{i} <|call|>
 args{i}: {json}"""
-MINIMAX_ANSWER = """start: </think> "\\n\\n" answer {end}
-answer: {json}"""
-MINIMAX_CALLS = 'start: </think> "\\n\\n" <minimax:tool_call> "\\n" ({invokes})+ </minimax:tool_call> {end}'
+MINIMAX_START = 'start: </think> "\\n\\n" ({choices}) {end}'
+MINIMAX_ANSWER = "answer: {json}"
+MINIMAX_CALLS = 'calls: <minimax:tool_call> "\\n" ({calls})+ </minimax:tool_call>'
 MINIMAX_INVOKE = 'invoke{i}: {head} {params} "</invoke>\\n"'
 MINIMAX_PARAM = """p{i}_{j}: {head} v{i}_{j} "</parameter>\\n"
 v{i}_{j}: {value}"""
 
 
-def chat_json(arch: str, tokenizer: Any, schema: dict[str, Any]) -> Grammar:
-    """A chat answer that is one JSON value valid under `schema`, in the family's markup."""
-    if arch == "gpt_oss":
-        return Grammar(lark=HARMONY_ANSWER.format(json=inline_json(schema)))
-    if arch == "minimax_m2":
-        return Grammar(lark=MINIMAX_ANSWER.format(json=inline_json(schema), end=minimax_end(tokenizer)))
-    return Grammar(json_schema=schema)  # no chat markup known: the JSON alone
-
-
-def chat_tool_call(arch: str, tokenizer: Any, tools: list[dict[str, Any]]) -> Grammar:
-    """A chat answer that calls one of `tools` (OpenAI form) with arguments valid under its schema (MiniMax:
-    one or more calls). Pass only the named tool for a named tool_choice."""
-    if not tools:
-        raise ValueError("a tool call grammar needs at least one tool")
-    names = [t["function"]["name"] for t in tools]
-    params = [t["function"].get("parameters") or ANY_OBJECT for t in tools]
-    alternatives = " | ".join(f"{'call' if arch == 'gpt_oss' else 'invoke'}{i}" for i in range(len(tools)))
-    if arch == "gpt_oss":
-        lines = [f'start: <|channel|> "commentary to=functions." ({alternatives})']
-        for i, (name, schema) in enumerate(zip(names, params)):
+def chat_output(
+    arch: str, tokenizer: Any, answer: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None
+) -> Grammar:
+    """A chat turn in the family's markup that answers with one JSON value valid under the `answer` schema,
+    or calls one of `tools` (OpenAI form; only the named one for a named tool_choice) with arguments valid
+    under its schema (MiniMax: one or more calls), or does either when both are given."""
+    if answer is None and not tools:
+        raise ValueError("a chat grammar needs an answer schema or tools")
+    if arch not in ("gpt_oss", "minimax_m2"):
+        if tools:
+            raise ValueError(f"no tool-call format is known for model family {arch!r}")
+        return Grammar(json_schema=answer)  # no chat markup known: the JSON alone
+    harmony = arch == "gpt_oss"
+    choices = " | ".join(["answer"] * (answer is not None) + ["calls"] * bool(tools))
+    if harmony:
+        lines = [HARMONY_START.format(choices=choices)]
+    else:
+        lines = [MINIMAX_START.format(choices=choices, end=minimax_end(tokenizer))]
+    if answer is not None:
+        lines.append((HARMONY_ANSWER if harmony else MINIMAX_ANSWER).format(json=inline_json(answer)))
+    if tools:
+        calls = " | ".join(f"{'call' if harmony else 'invoke'}{i}" for i in range(len(tools)))
+        lines.append((HARMONY_CALLS if harmony else MINIMAX_CALLS).format(calls=calls))
+    for i, tool in enumerate(tools or []):
+        name, schema = tool["function"]["name"], tool["function"].get("parameters") or ANY_OBJECT
+        if harmony:
             lines.append(HARMONY_CALL.format(i=i, name=lark_string(name + " "), json=inline_json(schema)))
-        return Grammar(lark="\n".join(lines))
-    if arch == "minimax_m2":
-        lines = [MINIMAX_CALLS.format(invokes=alternatives, end=minimax_end(tokenizer))]
-        for i, (name, schema) in enumerate(zip(names, params)):
+        else:
             lines += minimax_invoke(i, name, schema)
-        return Grammar(lark="\n".join(lines))
-    raise ValueError(f"no tool-call format is known for model family {arch!r}")
+    return Grammar(lark="\n".join(lines))
 
 
 def minimax_invoke(i: int, name: str, schema: dict[str, Any]) -> list[str]:
