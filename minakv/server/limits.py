@@ -9,7 +9,7 @@ hit by accident:
 | messages | 8,192 | a message costs at least a few tokens of markup, so a full context holds fewer; rendering and cache-operation checks grow with it |
 | tools | 256 | twice OpenAI's 128; every tool is rendered into the prompt |
 | stop strings | 16, of at most 256 characters | every stop string is searched for after every token of the request (OpenAI allows 4) |
-| stop token ids | 256 | every sampled token is compared with each |
+| stop token ids | 262,144 | one per vocabulary entry at most (o200k has 201,088): "every token stops" is a list of the whole vocabulary |
 | cache-operation entries | 3 per message | a message can trigger a drop, be dropped and be repositioned after, once each; more repeats one |
 | `max_tokens` | the context left after the prompt | the engine cannot generate past `max_model_len`; asking for more is a 400, as in vLLM |
 
@@ -33,7 +33,7 @@ class Limits:
     max_tools: int = 256
     max_stop: int = 16
     max_stop_chars: int = 256
-    max_stop_token_ids: int = 256
+    max_stop_token_ids: int = 1 << 18
 
 
 DEFAULT_LIMITS = Limits()

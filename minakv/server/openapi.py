@@ -93,9 +93,7 @@ ACCEPTED = {
     "n": {"const": 1},
     "logit_bias": {"maxProperties": 1024, "propertyNames": {"pattern": "^[0-9]+$"},
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
-    "tool_choice": {"enum": ["auto", "none"]},  # no constrained decoding: no "required", no named function
     "reasoning_effort": {"enum": ["low", "medium", "high"]},
-    "response_format": {"properties": {"type": {"const": "text"}}},
     "chat_template_kwargs": {"additionalProperties": False, "properties": {  # prompts.TEMPLATE_VARIABLES
         "reasoning_effort": {"enum": ["low", "medium", "high"]}, "model_identity": {"type": "string"},
         "builtin_tools": {"type": "array", "items": {"enum": ["browser", "python"]}},
@@ -109,11 +107,7 @@ ACCEPTED = {
 def narrow(schema: dict[str, Any], **rules: Any) -> None:
     """Add `rules` to a field's schema: to its non-null branch if it is nullable (`anyOf [X, null]`)."""
     branches = [b for b in schema.get("anyOf", []) if b.get("type") != "null"]
-    target = branches[0] if len(branches) == 1 else schema
-    if "anyOf" in schema and len(branches) > 1 and "enum" in rules:  # e.g. tool_choice: str | object
-        schema["anyOf"] = [{"type": "string", **rules}, {"type": "null"}]
-        return
-    target.update(rules)
+    (branches[0] if len(branches) == 1 else schema).update(rules)
 
 
 def constrain(components: dict[str, Any], names: tuple[str, ...], limits: Limits, max_model_len: int) -> None:
