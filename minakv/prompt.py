@@ -68,26 +68,32 @@ def tokens_and_owners(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int
     raise ValueError("a dict prompt needs 'message_tokens' or 'messages'")
 
 
+def stop_token_ids(tokenizer, config: ModelConfig) -> list[int]:
+    """The tokens that end a request: the tokenizer's end-of-sequence tokens, then the model config's."""
+    eos = list(tokenizer.eos_token_ids) if tokenizer is not None else []
+    return eos + [t for t in config.eos_token_ids if t not in eos]
+
+
 def make_request(
     prompt: Any, params: SamplingParams, tokenizer, config: ModelConfig, max_model_len: int
 ) -> Request:
     ids, owners, num_messages, cache = tokens_and_owners(prompt, tokenizer, config.vocab_size)
     if not ids:
         raise ValueError("the prompt is empty")
-    if len(ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len} (room is needed to generate)"
-        )
     if bad := [t for t in params.logit_bias or {} if t >= config.vocab_size]:
         raise ValueError(
             f"logit_bias names token ids {bad[:5]} outside the vocabulary of {config.vocab_size}"
         )
+    # The limit is on positions, not on the raw history: drops and repositions keep an agent's positions
+    # compact, so its history may grow past max_model_len (docs/design.md 2.2).
     limit = min(config.max_position_embeddings, max_model_len)
     program = compile_program(owners, num_messages, cache.get("drop"), cache.get("reposition"), limit)
     if program.next_pos >= limit:
-        raise ValueError(f"the first generated token would sit at position {program.next_pos}, past {limit}")
-    eos = list(tokenizer.eos_token_ids) if tokenizer is not None else []
-    eos += [t for t in config.eos_token_ids if t not in eos]
+        raise ValueError(
+            f"the first generated token would sit at position {program.next_pos}, past the limit of {limit} "
+            f"(max_model_len {max_model_len}; the prompt has {len(ids)} tokens)"
+        )
+    eos = stop_token_ids(tokenizer, config)
     # structured outputs: compiled here, in the caller's thread (cached per tokenizer and grammar), so the
     # engine's step only advances the matcher and asks it for masks
     grammar = compile_grammar(params.grammar, tokenizer, config.vocab_size, eos) if params.grammar else None

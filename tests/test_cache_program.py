@@ -229,13 +229,13 @@ def test_error_reposition_nothing_active():
 
 def test_error_position_limit_at_birth():
     with pytest.raises(CacheOpError, match="positions: token 4 would be born at position 4, reaching "
-                       "max_position_embeddings 4"):  # fmt: skip
+                       "the position limit 4"):  # fmt: skip
         compile_program([0, 0, 1, 1, 2], 3, max_positions=4)
 
 
 def test_position_limit_after_reposition():
     # Dropping alone does not help; a reposition brings the positions back under the limit.
-    with pytest.raises(CacheOpError, match="max_position_embeddings 5"):
+    with pytest.raises(CacheOpError, match="position limit 5"):
         compile_program([0, 0, 0, 1, 1, 2], 3, {1: [0]}, max_positions=5)
     p = compile_program([0, 0, 0, 1, 1, 2], 3, {1: [0]}, [1], max_positions=5)
     assert p.birth_pos.tolist() == [0, 1, 2, 3, 4, 2]

@@ -188,3 +188,19 @@ def test_stats_report_kv_bytes_per_decode_token(engine):
     stats = engine.stats()
     assert stats["decode_tokens"] > 0 and stats["kv_bytes_read_per_decode_token"] > 0
     assert math.isfinite(stats["kv_bytes_read_per_decode_token"])
+
+
+def test_the_limit_is_on_positions_not_on_the_raw_history() -> None:
+    """An agent whose drops and repositions keep its positions compact may send a history longer than
+    max_model_len (docs/design.md 2.2); its positions, not its tokens, must stay under the limit."""
+    engine = Engine("tiny-gpt-oss", kv_cache_tokens=4096, max_model_len=256)
+    parts = [[(7 * i + j) % 300 + 1 for j in range(100)] for i in range(4)]  # 400 tokens
+    # after message 1 and after message 2, drop the message before and renumber: positions stay < 200
+    compact = {"message_tokens": parts, "cache": {"drop": {"1": [0], "2": [1]}, "reposition": [1, 2]}}
+    out = engine.generate([compact], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 20 and out.usage.prompt_tokens == 400
+    with pytest.raises(
+        ValueError, match="max_model_len"
+    ):  # the same history without operations: 400 positions
+        engine.generate([{"message_tokens": parts}])
+    engine.check()

@@ -175,8 +175,8 @@ def _check_limit(birth: np.ndarray, lo: int, hi: int, max_positions: int | None)
         return
     t = lo + int(np.argmax(birth[lo:hi] >= max_positions))
     raise CacheOpError(
-        f"positions: token {t} would be born at position {int(birth[t])}, reaching "
-        f"max_position_embeddings {max_positions} (drop and reposition earlier)"
+        f"positions: token {t} would be born at position {int(birth[t])}, reaching the position limit "
+        f"{max_positions} (max_model_len, at most max_position_embeddings; drop and reposition earlier)"
     )
 
 

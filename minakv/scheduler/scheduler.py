@@ -160,7 +160,7 @@ class Scheduler:
         limit = r.program.max_positions  # the last of the n tokens would be born at next_pos + n - 1
         return n > 0 and (
             n >= r.params.max_tokens
-            or r.num_prompt + n >= self.max_model_len
+            or r.program.next_pos + n >= self.max_model_len
             or (limit is not None and r.program.next_pos + n - 1 >= limit)
         )
 

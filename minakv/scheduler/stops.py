@@ -2,7 +2,8 @@
 
 Ends with "stop" on an end-of-sequence token (unless ignore_eos), a stop token id, a stop string (the text
 is cut before it), or when the request's grammar is complete (structured outputs: nothing may follow); with
-"length" at max_tokens, at the engine's max_model_len, or when the next position would reach the model's
+"length" at max_tokens, when the positions used reach the engine's max_model_len (positions, not raw tokens:
+drops and repositions keep an agent's positions compact), or when the next position would reach the model's
 limit; with "error" if the grammar refuses the token (its mask makes that impossible).
 
 This runs for every request in every engine step, so its work per token is O(1), whatever the output's
@@ -53,7 +54,7 @@ def apply_token(r: Request, token: int, logprob: TokenLogprob | None, tokenizer,
     limit = r.program.max_positions
     if (
         n >= p.max_tokens
-        or r.num_prompt + n >= max_model_len
+        or r.program.next_pos + n >= max_model_len  # positions used, as vLLM counts prompt + output tokens
         # generated token j is born at program.next_pos + j (Program.birth_positions); this one is j = n - 1
         or (limit is not None and r.program.next_pos + n - 1 >= limit)
     ):
