@@ -124,7 +124,7 @@ CASES = [
      "messages[1].tool_calls[0].function.arguments", "not valid JSON"),
     ("n > 1", "/v1/chat/completions", chat(n=2), 400, "n", "n=1"),
     ("tool_choice required", "/v1/chat/completions", chat(tool_choice="required"), 400, "tool_choice",
-     "constrained decoding"),
+     "needs tools"),
     ("bad temperature", "/v1/chat/completions", chat(temperature=-1), 400, "temperature", "temperature must be"),
     ("zero max_tokens", "/v1/chat/completions", chat(max_tokens=0), 400, "max_tokens", "positive integer"),
     ("top_logprobs alone", "/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs", "logprobs=true"),

@@ -49,8 +49,8 @@ SCHEMAS = [
         "properties": {
             "items": {"type": "array", "minItems": 1, "maxItems": 3,
                       "items": {"type": "object",
-                                "properties": {"sku": SHORT, "qty": {"type": "integer", "minimum": 1, "maximum": 9},
-                                               "gift": {"type": "boolean"}},
+                                "properties": {"sku": SHORT, "gift": {"type": "boolean"},
+                                               "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
                                 "required": ["sku", "qty"], "additionalProperties": False}},
             "note": {"anyOf": [SHORT, {"type": "null"}]},
             "point": {"type": "array", "items": {"type": "integer", "minimum": -9, "maximum": 9},
@@ -81,7 +81,7 @@ def engine(request) -> Engine:
     return Engine(request.param, max_model_len=1024, overlap=False)
 
 
-def constrained(schema: dict, seed: int, max_tokens: int = 96) -> SamplingParams:
+def constrained(schema: dict, seed: int, max_tokens: int = 256) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, seed=seed, grammar=Grammar(json_schema=schema))
 
 

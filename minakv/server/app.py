@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from minakv.engine import Engine
-from minakv.server import anthropic, limits, output, prepare, prompts
+from minakv.server import anthropic, limits, output, prepare, prompts, structured
 from minakv.server.auth import require_key
 from minakv.server.cache_ops import has_cache_ops
 from minakv.server.errors import Handler, errors
@@ -130,8 +130,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     limits.check_sampling(req, settings["limits"])
     logprobs = prompts.chat_logprobs(req)
     params = prompts.sampling_params(req, 1, logprobs)
-    prompt, ops, tools_on = prompts.chat_prompt(req, raw)
+    prompt, ops, tools_on = prompts.chat_prompt(req, raw, structured=True)
+    params.grammar = structured.chat_grammar(req, raw, tools_on, engine.arch, engine.tokenizer)
     tokens = await tokenized(engine, prompt, ops, "messages")
+    await structured.compile_off_loop(engine, params.grammar, structured.grammar_param(req))
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params.max_tokens = limits.max_tokens(

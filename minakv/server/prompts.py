@@ -113,19 +113,25 @@ def check_message(msg: ChatMessage, index: int) -> None:
         raise RequestError("a tool message needs `content`", f"messages[{index}].content")
 
 
-def tool_choice_mode(req: ChatCompletionRequest) -> str:
-    """'auto' (tools rendered, calls parsed) or 'none' (no tools at all)."""
+def tool_choice_mode(req: ChatCompletionRequest, structured: bool = False) -> str:
+    """'auto' (tools rendered, calls parsed), 'required' (the same, and a grammar makes the turn call one:
+    'required' or a named function; only for a caller that applies structured.py's grammar) or 'none' (no
+    tools at all)."""
     choice = req.tool_choice
     if choice is None or choice == "auto":
         return "auto" if req.tools else "none"
     if choice == "none":
         return "none"
-    if choice == "required" or isinstance(choice, dict):
+    if (choice == "required" or isinstance(choice, dict)) and not structured:
         raise RequestError(
-            "tool_choice 'required' or a named function needs constrained decoding, which minakv does not "
-            "have; use 'auto' or 'none'",
+            "tool_choice 'required' or a named function is supported on /v1/chat/completions only; use "
+            "'auto' or 'none'",
             "tool_choice",
         )
+    if choice == "required" or isinstance(choice, dict):
+        if not req.tools:
+            raise RequestError("tool_choice 'required' or a named function needs tools", "tool_choice")
+        return "required"
     raise RequestError(
         f"tool_choice must be 'auto', 'none', 'required' or an object, got {choice!r}", "tool_choice"
     )
@@ -168,17 +174,19 @@ def template_kwargs(given: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_prompt(
-    req: ChatCompletionRequest, raw: dict[str, Any]
+    req: ChatCompletionRequest, raw: dict[str, Any], structured: bool = False
 ) -> tuple[dict[str, Any], CacheOps | None, bool]:
     """The engine's messages prompt, the parsed cache operations, and whether tool calls are parsed.
     `req` is the typed request (checked); `raw` the same body decoded untyped: messages and tools go to
     the template exactly as the client sent them (key order included, since templates print tools with
-    `tojson`), so the same conversation always renders to the same tokens."""
+    `tojson`), so the same conversation always renders to the same tokens. With `structured`, the caller
+    applies structured.py's grammar (response_format, forced tool calls); without, those are refused."""
     if not req.messages:
         raise RequestError("messages must not be empty", "messages")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise RequestError("response_format other than 'text' is not supported", "response_format")
-    tools_on = tool_choice_mode(req) == "auto"
+    shaped = req.response_format is not None and req.response_format.get("type", "text") != "text"
+    if shaped and not structured:
+        raise RequestError("response_format other than 'text' is not supported here", "response_format")
+    tools_on = tool_choice_mode(req, structured) != "none"
     for i, m in enumerate(req.messages):
         check_message(m, i)
     prompt: dict[str, Any] = {"messages": raw["messages"]}
