@@ -211,6 +211,25 @@ def test_max_tokens_default_is_the_context_left(server, client, engine) -> None:
     wait_idle(engine)
 
 
+def test_repositioned_history_longer_than_the_context(server, engine) -> None:
+    """max_model_len bounds positions: a history longer than the context runs when drops and a reposition
+    keep its positions compact, and max_tokens is checked against the positions left."""
+    long = "hello world " * 18  # each long message fits in the context; both do not
+    msgs = [{"role": "user", "content": "hi"}, {"role": "user", "content": long},
+            {"role": "assistant", "content": long}, {"role": "user", "content": "what"}]  # fmt: skip
+    ops = {"drop_message": {"1": [1], "2": [2]}, "reposition": [1, 2]}  # each leaves after itself
+    status, reply = post(server, "/v1/chat/completions", chat(messages=msgs, max_tokens=10**6, **ops))
+    assert_error(status, reply, 400, "max_tokens", "positions")
+    body = chat(messages=msgs, ignore_eos=True, temperature=0, **ops)
+    del body["max_tokens"]
+    status, reply = post(server, "/v1/chat/completions", body)
+    assert status == 200, reply
+    usage = reply["usage"]
+    assert usage["prompt_tokens"] > MAX_LEN and reply["choices"][0]["finish_reason"] == "length"
+    assert 1 <= usage["completion_tokens"] < MAX_LEN
+    wait_idle(engine)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Every error in the OpenAI shape
 

@@ -127,9 +127,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # the cheap checks first: counts and sampling settings, before anything is rendered
     prompts.check_common(req, settings["accepted"])
     limits.check_chat(req, settings["limits"])
-    limits.check_sampling(req, settings["limits"])
     logprobs = prompts.chat_logprobs(req)
-    params = prompts.sampling_params(req, 1, logprobs)
+    params = prompts.sampling_params(req, 1, logprobs, settings["limits"])
     prompt, ops, tools_on = prompts.chat_prompt(req, raw, structured=True)
     params.grammar = structured.chat_grammar(req, raw, tools_on, engine.arch, engine.tokenizer)
     tokens = await tokenized(engine, prompt, ops, "messages")
@@ -137,7 +136,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params.max_tokens = limits.max_tokens(
-        wanted, param, tokens.num_tokens, engine.max_model_len, None, "messages"
+        wanted, param, tokens.next_pos, engine.max_model_len, None, "messages"
     )
     parser = output.ChatParser(engine.arch, engine.tokenizer, prompt.get("tools") if tools_on else None)
     rid, created, model = new_id("chatcmpl"), int(time.time()), settings["names"][0]
@@ -196,12 +195,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req, _ = await prepare.decode(await request.read(), CompletionRequest)
     prompts.check_common(req, settings["accepted"])
     prompts.check_completion(req)
-    limits.check_sampling(req, settings["limits"])
     prompt = prompts.completion_prompt(req)
-    params = prompts.sampling_params(req, 1, req.logprobs)
+    params = prompts.sampling_params(req, 1, req.logprobs, settings["limits"])
     tokens = await tokenized(engine, prompt, None, "prompt")
     params.max_tokens = limits.max_tokens(
-        req.max_tokens, "max_tokens", tokens.num_tokens, engine.max_model_len, 16, "prompt"
+        req.max_tokens, "max_tokens", tokens.next_pos, engine.max_model_len, 16, "prompt"
     )
     rid, created, model = new_id("cmpl"), int(time.time()), settings["names"][0]
     trace = new_trace(request, rid, arrival, prompt)

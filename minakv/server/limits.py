@@ -11,12 +11,12 @@ hit by accident:
 | stop strings | 16, of at most 256 characters | every stop string is searched for after every token of the request (OpenAI allows 4) |
 | stop token ids | 262,144 | one per vocabulary entry at most (o200k has 201,088): "every token stops" is a list of the whole vocabulary |
 | cache-operation entries | 3 per message | a message can trigger a drop, be dropped and be repositioned after, once each; more repeats one |
-| `max_tokens` | the context left after the prompt | the engine cannot generate past `max_model_len`; asking for more is a 400, as in vLLM |
+| `max_tokens` | the positions left after the prompt | `max_model_len` bounds positions (prompt + output, as vLLM counts them; repositions renumber a history, so it may be longer); asking for more is a 400, as in vLLM |
 
 A missing `max_tokens` means "until the context is full" for chat (vLLM's default) and 16 for legacy
-completions (OpenAI's), capped by the context left. Checks that only need the request's size run before
+completions (OpenAI's), capped by the positions left. Checks that only need the request's size run before
 any expensive work: the counts right after decoding, and the prompt's length before tokenizing where the
-rendered text is already too long for the context (prepare.py).
+rendered text is already too long (prepare.py).
 """
 
 from __future__ import annotations
@@ -83,18 +83,22 @@ def check_chat(req: ChatCompletionRequest, limits: Limits = DEFAULT_LIMITS) -> N
 def max_tokens(
     requested: int | None,
     param: str,
-    prompt_tokens: int,
+    next_pos: int | None,
     max_model_len: int,
     default: int | None,
     prompt_param: str,
 ) -> int:
     """The number of tokens to generate: `requested` if the context has room for it (else a 400 naming
-    `param`), else `default` (None: all the room there is) capped by the room. A prompt that leaves no room
-    at all is refused naming `prompt_param`."""
-    room = max_model_len - prompt_tokens
+    `param`), else `default` (None: all the room there is) capped by the room. max_model_len bounds
+    positions (prompt + output, as vLLM counts them); `next_pos` is where the first generated token sits:
+    the prompt's length, less what repositions renumbered (None: unknown, the engine decides). A prompt
+    that leaves no room at all is refused naming `prompt_param`."""
+    if next_pos is None:
+        return requested if requested is not None else (default or max_model_len)
+    room = max_model_len - next_pos
     if room < 1:
         raise RequestError(
-            f"the prompt has {prompt_tokens} tokens; max_model_len is {max_model_len} (room is needed to generate)",
+            f"the prompt takes {next_pos} positions; max_model_len is {max_model_len} (room is needed to generate)",
             prompt_param,
             code="context_length_exceeded",
         )
@@ -104,8 +108,8 @@ def max_tokens(
         raise RequestError(f"{param} must be a positive integer, got {requested}", param)
     if requested > room:
         raise RequestError(
-            f"{param} is {requested}, but the context has room for {room} more tokens: the prompt has "
-            f"{prompt_tokens} tokens and max_model_len is {max_model_len}; reduce {param} or the prompt",
+            f"{param} is {requested}, but the context has room for {room} more tokens: the prompt takes "
+            f"{next_pos} positions and max_model_len is {max_model_len}; reduce {param} or the prompt",
             param,
             code="context_length_exceeded",
         )

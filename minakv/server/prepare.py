@@ -28,7 +28,10 @@ from itertools import groupby
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
 
+from minakv.cache.program import compile_program
+from minakv.cache.validate import CacheOpError
 from minakv.engine import Engine
 from minakv.server.cache_ops import CacheOps
 from minakv.server.protocol import RequestError, decode_request
@@ -43,6 +46,9 @@ T = TypeVar("T")
 class Tokenized:
     prompt: Any  # an engine prompt in token form: a list of token ids, or a message_tokens dict
     num_tokens: int
+    # the position of the first generated token: num_tokens, unless repositions renumbered the history;
+    # None if unknown (invalid cache operations, which the engine refuses naming the field)
+    next_pos: int | None
 
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -77,23 +83,22 @@ def longest_token(tokenizer: Any) -> int | None:
 
 
 class Bounded:
-    """The engine's tokenizer, refusing a text that is certainly too long before tokenizing it. Everything
-    but `encode_with_offsets` and `encode` is the tokenizer's own (chat template, special tokens)."""
+    """The engine's tokenizer, refusing a text that is certainly longer than `max_tokens` tokens before
+    tokenizing it. Everything but `encode_with_offsets` and `encode` is the tokenizer's own (chat template,
+    special tokens)."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, param: str) -> None:
-        self.tokenizer, self.param, self.max_model_len = tokenizer, param, max_model_len
-        longest = longest_token(tokenizer)
-        self.max_chars = longest * max_model_len if longest else None
+    def __init__(self, tokenizer: Any, max_tokens: int, why: str, param: str) -> None:
+        self.tokenizer, self.max_tokens, self.why, self.param = tokenizer, max_tokens, why, param
+        self.longest = longest_token(tokenizer)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tokenizer, name)
 
     def check(self, text: str) -> None:
-        if self.max_chars is not None and len(text) > self.max_chars:
+        if self.longest is not None and len(text) > self.longest * self.max_tokens:
             raise RequestError(
-                f"the prompt is {len(text)} characters long, so it has more than {self.max_model_len} tokens "
-                f"(max_model_len); no token of this model is longer than {self.max_chars // self.max_model_len} "
-                "characters",
+                f"the prompt is {len(text)} characters long, so it has more than {self.max_tokens} tokens "
+                f"({self.why}); no token of this model is longer than {self.longest} characters",
                 self.param,
                 code="context_length_exceeded",
             )
@@ -107,16 +112,43 @@ class Bounded:
         return self.tokenizer.encode_with_offsets(text, allow_special)
 
 
+def bounded(engine: Engine, repositions: bool, param: str) -> Bounded:
+    """The tokenizer with the longest prompt that can run: max_model_len bounds positions, so without
+    repositions the tokens too; with repositions a history may be longer (they renumber it), up to what
+    the KV pool holds."""
+    if not repositions:
+        return Bounded(engine.tokenizer, engine.max_model_len, "max_model_len", param)
+    pool = engine.stats()["pages_total"] * engine.config.page_size
+    return Bounded(engine.tokenizer, pool, "the KV pool's size", param)
+
+
+def first_position(form: dict[str, Any]) -> int | None:
+    """Where the first generated token of a message_tokens prompt sits: after its last token, unless
+    repositions renumber the history (docs/design.md 2.2); then the program is compiled, as the engine will
+    do, to know. None if the operations are invalid."""
+    lists = form["message_tokens"]
+    cache = form.get("cache") or {}
+    if not cache.get("reposition"):
+        return sum(map(len, lists))
+    owners = np.repeat(np.arange(len(lists)), [len(part) for part in lists])
+    try:
+        return compile_program(owners, len(lists), cache.get("drop"), cache.get("reposition")).next_pos
+    except CacheOpError:
+        return None
+
+
 def chat_tokens(
     engine: Engine, prompt: dict[str, Any], ops: CacheOps | None, param: str = "messages"
 ) -> Tokenized:
     """A messages prompt (prompts.chat_prompt) in token form; thinking_drop cuts messages into parts."""
     from minakv.server.prompts import thinking_drop_prompt  # prompts.py imports nothing from here
 
-    tokenizer = Bounded(engine.tokenizer, engine.max_model_len, param)
+    tokenizer = bounded(
+        engine, bool((prompt.get("cache") or {}).get("reposition") or (ops and ops.reposition)), param
+    )
     if ops is not None and ops.thinking_drop:
         out = thinking_drop_prompt(tokenizer, prompt, ops)
-        return Tokenized(out, sum(map(len, out["message_tokens"])))
+        return Tokenized(out, sum(map(len, out["message_tokens"])), first_position(out))
     kwargs = prompt.get("chat_template_kwargs") or {}
     rendered = render(prompt["messages"], tokenizer, tools=prompt.get("tools"), **kwargs)
     n = rendered.num_messages
@@ -127,21 +159,23 @@ def chat_tokens(
     drop = {trigger: ids for trigger, ids in (cache.get("drop") or {}).items() if trigger < n}
     reposition = [m for m in cache.get("reposition") or [] if m < n]
     form = {"message_tokens": lists, "cache": {"drop": drop, "reposition": reposition}}
-    return Tokenized(form, len(rendered.token_ids))
+    return Tokenized(form, len(rendered.token_ids), first_position(form))
 
 
 def to_tokens(engine: Engine, prompt: Any, ops: CacheOps | None = None, param: str = "prompt") -> Tokenized:
     """Any engine prompt in token form. Prompts already in it pass through (the engine checks them), and
     so does text for a model without a tokenizer, which the engine refuses with its own message."""
     if isinstance(prompt, list):
-        return Tokenized(prompt, len(prompt))
+        return Tokenized(prompt, len(prompt), len(prompt))
     if isinstance(prompt, dict) and isinstance(prompt.get("message_tokens"), list):
-        return Tokenized(prompt, sum(len(m) for m in prompt["message_tokens"] if isinstance(m, list)))
+        parts = [m for m in prompt["message_tokens"] if isinstance(m, list)]
+        valid = len(parts) == len(prompt["message_tokens"])
+        return Tokenized(prompt, sum(map(len, parts)), first_position(prompt) if valid else None)
     if engine.tokenizer is None:
-        return Tokenized(prompt, 0)
+        return Tokenized(prompt, 0, None)
     if isinstance(prompt, str):
-        ids = Bounded(engine.tokenizer, engine.max_model_len, param).encode(prompt)
-        return Tokenized(ids, len(ids))
+        ids = bounded(engine, False, param).encode(prompt)
+        return Tokenized(ids, len(ids), len(ids))
     if isinstance(prompt, dict) and "messages" in prompt:
         return chat_tokens(engine, prompt, ops, param)
-    return Tokenized(prompt, 0)
+    return Tokenized(prompt, 0, None)

@@ -19,6 +19,7 @@ from minakv.server.cache_ops import (
     split_parts,
     with_sentinels,
 )
+from minakv.server.limits import DEFAULT_LIMITS, Limits, check_sampling
 from minakv.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -60,9 +61,13 @@ def check_common(req: SamplingFields, served_names: set[str]) -> None:
         raise RequestError("only n=1 is supported", "n")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """SamplingParams from the request, checked with the engine's own rules; `max_tokens` None means the
-    model's limit (the engine stops at the last position it may use)."""
+def sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, limits: Limits = DEFAULT_LIMITS
+) -> SamplingParams:
+    """SamplingParams from the request, checked with the engine's own rules and the stop-list `limits`
+    (pass the app's: `settings["limits"]`); `max_tokens` None means the model's limit (the engine stops at
+    the last position it may use)."""
+    check_sampling(req, limits)
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:
         raise RequestError(f"seed must be a 64-bit integer, got {req.seed}", "seed")
     bias = {}
