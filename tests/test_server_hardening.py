@@ -316,6 +316,33 @@ def test_internal_error_text_stays_in_the_log(server, monkeypatch, caplog) -> No
     good_request_works(server)
 
 
+def test_internal_error_mid_stream_ends_the_stream(server, engine, monkeypatch) -> None:
+    """A bug after the stream has started: the stream ends with an error event and [DONE]."""
+    from minakv.server import output
+
+    real, calls = output.ChatParser.deltas, []
+
+    def broken(self, out):
+        calls.append(out)
+        if len(calls) == 3:
+            raise RuntimeError("secret internal detail")
+        return real(self, out)
+
+    monkeypatch.setattr(output.ChatParser, "deltas", broken)
+    body = json.dumps(chat(max_tokens=10, ignore_eos=True, stream=True, logprobs=True)).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(request(CHAT + f"Content-Length: {len(body)}\nConnection: close\n", body))
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    events = [line[6:] for line in reply.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and b"secret" not in reply
+    assert json.loads(events[-2])["error"]["code"] == "internal_error"
+    monkeypatch.undo()
+    wait_idle(engine)
+    good_request_works(server)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Models
 

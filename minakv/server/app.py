@@ -24,7 +24,7 @@ from minakv.engine import Engine
 from minakv.server import anthropic, limits, output, prepare, prompts, structured
 from minakv.server.auth import require_key
 from minakv.server.cache_ops import has_cache_ops
-from minakv.server.errors import Handler, errors
+from minakv.server.errors import SSE_STREAM, Handler, errors
 from minakv.server.limits import DEFAULT_LIMITS, Limits
 from minakv.server.metrics import CONTENT_TYPE, ServerMetrics
 from minakv.server.openapi import openapi_document
@@ -158,7 +158,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             body = ChatCompletion(rid, created, model, [choice], usage_info(last))
             return web.Response(body=msgspec.json.encode(body), content_type=JSON)
 
-        response = await open_sse(request)
+        response = request[SSE_STREAM] = await open_sse(request)
 
         async def send(choices: list[ChunkChoice], usage: UsageInfo | None = None) -> None:
             chunk = ChatCompletionChunk(rid, created, model, choices, usage)
@@ -221,7 +221,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             body = Completion(rid, created, model, [choice], usage_info(outs[-1]))
             return web.Response(body=msgspec.json.encode(body), content_type=JSON)
 
-        response = await open_sse(request)
+        response = request[SSE_STREAM] = await open_sse(request)
         out = first
         while True:
             chunk_lps = None

@@ -18,6 +18,7 @@ keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,11 @@ from minakv.server.protocol import RequestError, error_body
 log = logging.getLogger("minakv.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
+
+# A handler streaming OpenAI chunks registers its open stream here. A failure after the stream has started
+# cannot become an HTTP error any more: the middleware ends the stream with an error event and [DONE].
+SSE_STREAM = web.RequestKey("minakv_sse_stream", web.StreamResponse)
 
 
 def error_response(err: RequestError) -> web.Response:
@@ -72,7 +78,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except RequestError as e:
-        return error_response(e)
+        return await answer(request, e)
     except web.HTTPException as e:
         if e.status < 400:
             raise  # a redirect is not an error
@@ -83,7 +89,18 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except (ConnectionError, asyncio.CancelledError):
         raise  # the client is gone; nothing to answer
     except Exception:  # noqa: BLE001 (a bug: internal_error logs it with its traceback)
-        return error_response(internal_error(f"handling {request.method} {request.path}"))
+        return await answer(request, internal_error(f"handling {request.method} {request.path}"))
+
+
+async def answer(request: web.Request, err: RequestError) -> web.StreamResponse:
+    """`err` as an error response, or as the last event of the request's stream if one has started."""
+    stream = request.get(SSE_STREAM)
+    if stream is None or not stream.prepared:
+        return error_response(err)
+    with contextlib.suppress(ConnectionError):  # the client may be gone too
+        await stream.write(b"data: " + error_body(err) + b"\n\ndata: [DONE]\n\n")
+        await stream.write_eof()
+    return stream
 
 
 # ---------------------------------------------------------------------------------------------------------
