@@ -113,22 +113,24 @@ class SamplingTensors:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         extra: dict = {}
         if penalty_rows is not None and any(r >= 0 for r in penalty_rows):
-            extra["penalty_rows"] = torch.tensor(penalty_rows, dtype=torch.int64).to(device)
+            extra["penalty_rows"] = torch.tensor(penalty_rows, dtype=torch.int64).to(
+                device, non_blocking=True
+            )
             extra["penalties"] = (
                 torch.tensor(
                     [[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
                     dtype=torch.float32,
                 )
                 .T.contiguous()
-                .to(device)
+                .to(device, non_blocking=True)
             )
         triples = [(i, tok, val) for i, p in enumerate(params) for tok, val in (p.logit_bias or {}).items()]
         if triples:
             rows_, toks, vals = zip(*triples)
             extra["bias"] = (
-                torch.tensor(rows_, dtype=torch.int64).to(device),
-                torch.tensor(toks, dtype=torch.int64).to(device),
-                torch.tensor(vals, dtype=torch.float32).to(device),
+                torch.tensor(rows_, dtype=torch.int64).to(device, non_blocking=True),
+                torch.tensor(toks, dtype=torch.int64).to(device, non_blocking=True),
+                torch.tensor(vals, dtype=torch.float32).to(device, non_blocking=True),
             )
         if mask_rows:  # one copy of the bitmask (4 bytes per 32 tokens per constrained row); non_blocking:
             # the host does not wait for the step before (pageable memory is staged at once: safe)
