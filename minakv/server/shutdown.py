@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -144,7 +143,8 @@ async def serve(app: web.Application, engine: Engine, host: str, port: int, time
         drain.cut_all()
         await wait_for(drain.idle, 10.0)  # handlers write their last event; aborts land at the next step
     await runner.cleanup()  # closes the sockets; cancels handlers still running after shutdown_timeout
-    await asyncio.to_thread(wait_engine_idle, engine, 10.0)
+    # the engine ends what is left and stops its thread, so the process exits with nothing inside torch
+    await asyncio.to_thread(engine.shutdown, 10.0)
     log.info("shut down")
 
 
@@ -154,15 +154,3 @@ async def wait_for(event: asyncio.Event, timeout: float) -> bool:
     except asyncio.TimeoutError:
         return False
     return True
-
-
-def wait_engine_idle(engine: Engine, timeout: float) -> bool:
-    """Wait until the engine has no request running or waiting (its thread then sleeps between wake-ups)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = engine.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0:
-            return True
-        time.sleep(0.05)
-    log.warning("shutting down: the engine still has requests after %.0f s", timeout)
-    return False
