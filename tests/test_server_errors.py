@@ -122,7 +122,7 @@ CASES = [
     ("bad tool-call arguments", "/v1/chat/completions", chat(messages=[*USER, {"role": "assistant", "tool_calls":
      [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]), 400,
      "messages[1].tool_calls[0].function.arguments", "not valid JSON"),
-    ("n > 1", "/v1/chat/completions", chat(n=2), 400, "n", "n=1"),
+    ("n out of range", "/v1/chat/completions", chat(n=17), 400, "n", "n must be"),
     ("tool_choice required", "/v1/chat/completions", chat(tool_choice="required"), 400, "tool_choice",
      "needs tools"),
     ("bad temperature", "/v1/chat/completions", chat(temperature=-1), 400, "temperature", "temperature must be"),

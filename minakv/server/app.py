@@ -21,9 +21,11 @@ import msgspec
 from aiohttp import web
 
 from minakv.engine import Engine
+from minakv.outputs import RequestOutput
 from minakv.server import anthropic, limits, output, prepare, prompts, structured
 from minakv.server.auth import require_key
 from minakv.server.cache_ops import has_cache_ops
+from minakv.server.choices import finish_choices, merged, start_choices, total_usage
 from minakv.server.errors import SSE_STREAM, Handler, errors
 from minakv.server.limits import DEFAULT_LIMITS, Limits
 from minakv.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -46,10 +48,8 @@ from minakv.server.responses_route import create_response
 from minakv.server.running import (
     check_failed,
     close_sse,
-    finish,
     new_id,
     open_sse,
-    start,
     tokenized,
     usage_info,
     write_stream_error,
@@ -138,24 +138,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params.max_tokens = limits.max_tokens(
         wanted, param, tokens.next_pos, engine.max_model_len, None, "messages"
     )
-    parser = output.ChatParser(engine.arch, engine.tokenizer, prompt.get("tools") if tools_on else None)
+    tools = prompt.get("tools") if tools_on else None
+    parsers = [output.ChatParser(engine.arch, engine.tokenizer, tools) for _ in range(req.n)]
     rid, created, model = new_id("chatcmpl"), int(time.time()), settings["names"][0]
     trace = new_trace(request, rid, arrival, prompt)
-    stream, first = await start(engine, tokens.prompt, params, rid, ops, "messages", trace)
+    choices = await start_choices(engine, tokens.prompt, params, rid, req.n, ops, "messages", trace)
     with_usage = has_cache_ops(req) or bool(req.stream_options and req.stream_options.include_usage)
+    lasts: list[RequestOutput] = [first for _, first in choices]
     done = False
     try:
         if not req.stream:
-            last = first
-            parser.step(first)
-            while not last.finished:
-                last = await stream.__anext__()
-                parser.step(last)
+            async for i, out in merged(choices):
+                parsers[i].step(out)
+                lasts[i] = out
             done = True
-            check_failed(last)
-            message, finish_reason = parser.message(last.finish_reason)
-            choice = ChatChoice(0, message, finish_reason, parser.logprobs_all())
-            body = ChatCompletion(rid, created, model, [choice], usage_info(last))
+            for last in lasts:
+                check_failed(last)
+            built = []
+            for i, (parser, last) in enumerate(zip(parsers, lasts)):
+                message, finish_reason = parser.message(last.finish_reason)
+                built.append(ChatChoice(i, message, finish_reason, parser.logprobs_all()))
+            body = ChatCompletion(rid, created, model, built, usage_info(total_usage(lasts)))
             return web.Response(body=msgspec.json.encode(body), content_type=JSON)
 
         response = request[SSE_STREAM] = await open_sse(request)
@@ -164,25 +167,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             chunk = ChatCompletionChunk(rid, created, model, choices, usage)
             await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
 
-        await send([ChunkChoice(0, Delta(role="assistant", content=""))])
-        out = first
-        while True:
-            for delta, lps in parser.deltas(out):
-                await send([ChunkChoice(0, delta, None, lps)])
+        for i in range(req.n):
+            await send([ChunkChoice(i, Delta(role="assistant", content=""))])
+        async for i, out in merged(choices):
+            lasts[i] = out
+            for delta, lps in parsers[i].deltas(out):
+                await send([ChunkChoice(i, delta, None, lps)])
+            if out.finished and out.finish_reason == "error":
+                done = True
+                await write_stream_error(response, out)
+                return response
             if out.finished:
-                break
-            out = await stream.__anext__()
+                await send([ChunkChoice(i, Delta(), parsers[i].finish_reason(out.finish_reason))])
         done = True
-        if out.finish_reason == "error":
-            await write_stream_error(response, out)
-            return response
-        await send([ChunkChoice(0, Delta(), parser.finish_reason(out.finish_reason))])
         if with_usage:
-            await send([], usage_info(out))
+            await send([], usage_info(total_usage(lasts)))
         await close_sse(response)
         return response
     finally:
-        await finish(engine, stream, rid, done)
+        await finish_choices(engine, choices, rid, done)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -203,50 +206,51 @@ async def completions(request: web.Request) -> web.StreamResponse:
     )
     rid, created, model = new_id("cmpl"), int(time.time()), settings["names"][0]
     trace = new_trace(request, rid, arrival, prompt)
-    stream, first = await start(engine, tokens.prompt, params, rid, None, "prompt", trace)
-    lps = output.CompletionLogprobsBuilder(engine) if req.logprobs is not None else None
+    choices = await start_choices(engine, tokens.prompt, params, rid, req.n, None, "prompt", trace)
+    builders = [
+        output.CompletionLogprobsBuilder(engine) if req.logprobs is not None else None for _ in choices
+    ]
+    texts, lasts = [""] * req.n, [first for _, first in choices]
     done = False
     try:
         if not req.stream:
-            outs = [first]
-            while not outs[-1].finished:
-                outs.append(await stream.__anext__())
+            async for i, out in merged(choices):
+                texts[i] += out.text
+                lasts[i] = out
+                if builders[i] is not None:
+                    builders[i].add(out)
             done = True
-            check_failed(outs[-1])
-            text = "".join(o.text for o in outs)
-            for o in outs:
-                if lps is not None:
-                    lps.add(o)
-            choice = CompletionChoice(0, text, outs[-1].finish_reason, lps.build() if lps else None)
-            body = Completion(rid, created, model, [choice], usage_info(outs[-1]))
+            for last in lasts:
+                check_failed(last)
+            built = [CompletionChoice(i, texts[i], lasts[i].finish_reason, b.build() if b else None)
+                     for i, b in enumerate(builders)]  # fmt: skip
+            body = Completion(rid, created, model, built, usage_info(total_usage(lasts)))
             return web.Response(body=msgspec.json.encode(body), content_type=JSON)
 
         response = request[SSE_STREAM] = await open_sse(request)
-        out = first
-        while True:
-            chunk_lps = None
+        async for i, out in merged(choices):
+            lasts[i] = out
+            chunk_lps, lps = None, builders[i]
             if lps is not None:
                 chunk_lps = output.CompletionLogprobsBuilder(engine, lps.offset).add(out).build()
                 lps.add(out)
+            if out.finished and out.finish_reason == "error":
+                done = True
+                await write_stream_error(response, out)
+                return response
             if out.text or out.finished or chunk_lps is not None:
-                choice = CompletionChoice(0, out.text, out.finish_reason, chunk_lps)
+                choice = CompletionChoice(i, out.text, out.finish_reason, chunk_lps)
                 await response.write(
                     b"data: " + msgspec.json.encode(Completion(rid, created, model, [choice])) + b"\n\n"
                 )
-            if out.finished:
-                break
-            out = await stream.__anext__()
         done = True
-        if out.finish_reason == "error":
-            await write_stream_error(response, out)
-            return response
         if req.stream_options and req.stream_options.include_usage:
-            chunk = Completion(rid, created, model, [], usage_info(out))
+            chunk = Completion(rid, created, model, [], usage_info(total_usage(lasts)))
             await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
         await close_sse(response)
         return response
     finally:
-        await finish(engine, stream, rid, done)
+        await finish_choices(engine, choices, rid, done)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ ACCEPTED = {
     "frequency_penalty": {"minimum": -2, "maximum": 2},
     "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 10},
     "seed": {"minimum": 0, "maximum": 2**63 - 1},
-    "n": {"const": 1},
+    "n": {"minimum": 1, "maximum": 16},  # prompts.MAX_CHOICES
     "logit_bias": {"maxProperties": 1024, "propertyNames": {"pattern": "^[0-9]+$"},
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     "reasoning_effort": {"enum": ["low", "medium", "high"]},

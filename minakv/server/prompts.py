@@ -54,11 +54,14 @@ def unknown_model(name: str, served_names: set[str]) -> RequestError:
     )
 
 
+MAX_CHOICES = 16  # n: choices per request (they share the prompt's KV: minakv/server/choices.py)
+
+
 def check_common(req: SamplingFields, served_names: set[str]) -> None:
     if req.model not in served_names:
         raise unknown_model(req.model, served_names)
-    if req.n != 1:
-        raise RequestError("only n=1 is supported", "n")
+    if not isinstance(req.n, int) or not 1 <= req.n <= MAX_CHOICES:
+        raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {req.n!r}", "n")
 
 
 def sampling_params(
