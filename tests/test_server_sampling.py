@@ -60,3 +60,38 @@ def test_bad_sampling_fields_are_400(client: openai.OpenAI, bad: dict, param: st
         client.completions.create(model=NAME, prompt="hello", max_tokens=2, **bad)
     if param is not None:
         assert err.value.body.get("param") == param, err.value.body
+
+
+def test_a_degenerate_request_among_streams_hurts_nobody(engine: Engine, client: openai.OpenAI) -> None:
+    """Numbers that pass validation but are numerically extreme (a temperature of 1e-300 is greedy; a tiny
+    top_p keeps only the top token; a huge penalty) either succeed or fail alone: the other streams end
+    normally with what they would have got anyway (issue: hardening)."""
+    import concurrent.futures
+
+    msgs = [{"role": "user", "content": "stay well"}]
+    normal = {
+        "model": NAME,
+        "messages": msgs,
+        "max_tokens": 6,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    weird = [{"temperature": 1e-300}, {"temperature": 2.0, "top_p": 1e-9}, {"frequency_penalty": 2.0,
+             "extra_body": {"repetition_penalty": 10.0, "min_p": 1.0}}]  # fmt: skip
+    want = client.chat.completions.create(**normal).choices[0].message.content
+
+    def run(kwargs: dict):
+        return client.chat.completions.create(**kwargs)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        normals = [pool.submit(run, normal) for _ in range(4)]
+        odd = [
+            pool.submit(run, {**normal, **w, "extra_body": {"ignore_eos": True, **w.get("extra_body", {})}})
+            for w in weird
+        ]
+        for f in normals:
+            assert f.result().choices[0].message.content == want
+        for f in odd:
+            resp = f.result()  # succeeds (no 5xx, no error)
+            assert resp.choices[0].finish_reason in ("length", "stop")
+    engine.check()
