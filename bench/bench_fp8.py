@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from common import Log, rel_err
 
-from minakv.model.quant import dequantize_fp8_block
 from minakv.ops.fp8_linear import linear_fp8
 from minakv.ops.fp8_moe import FUSED_MAX_PAIRS, moe_fp8, moe_fp8_fused, moe_fp8_grouped
 from minakv.ops.fp8_tile import KEYS, dequantize_experts
 from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, route_sigmoid_bias
+from minakv.ops.quant import dequantize_fp8_block
 from minakv.ops.triton_util import use_triton
 
 FULL = {"hidden": 3072, "q": 6144, "kv": 1024, "experts": 256, "topk": 8, "inter": 1536}

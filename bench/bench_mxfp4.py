@@ -25,11 +25,11 @@ if "--tiny" in sys.argv:  # before anything imports Triton: kernels run in its C
 import torch
 from common import Log, bench_ms, copy_bandwidth, rel_err
 
-from minakv.model.quant import dequantize_mxfp4
 from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, moe_loop, route_softmax_topk
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_moe import FUSED_MAX_PAIRS, moe_mxfp4, moe_mxfp4_fused
+from minakv.ops.quant import dequantize_mxfp4
 
 K, H, I = 4, 2880, 2880
 SHAPES = {"20b": 32, "120b": 128}  # experts

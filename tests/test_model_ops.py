@@ -11,9 +11,9 @@ import torch
 from helpers.models import moe_reference
 
 from minakv.model.config import ModelConfig
-from minakv.model.quant import dequantize_fp8_block, dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
 from minakv.ops.moe import moe, route_sigmoid_bias, route_softmax_topk
 from minakv.ops.norm import rms_norm
+from minakv.ops.quant import dequantize_fp8_block, dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
 from minakv.ops.rope import Rope
 
 transformers = pytest.importorskip("transformers")

@@ -10,13 +10,13 @@ import torch
 from helpers.models import moe_reference
 from helpers.triton import interpreted
 
-from minakv.model.quant import dequantize_fp8_block, quantize_fp8_block
 from minakv.ops import fp8_moe
 from minakv.ops.fp8_grouped import moe_fp8_grouped
 from minakv.ops.fp8_linear import linear_fp8, linear_fp8_ref, linear_fp8_triton
 from minakv.ops.fp8_moe import moe_fp8, moe_fp8_fused, moe_fp8_ref
 from minakv.ops.fp8_tile import dequantize_experts, quantize_experts
 from minakv.ops.moe import route_sigmoid_bias, route_softmax_topk
+from minakv.ops.quant import dequantize_fp8_block, quantize_fp8_block
 
 LIMIT, ALPHA = 1.0, 1.702  # a small limit so the clamps of swiglu_oai bite
 PATHS = {"fused": moe_fp8_fused, "grouped": moe_fp8_grouped}

@@ -11,12 +11,12 @@ import triton.language as tl
 from helpers.models import moe_reference
 from helpers.triton import interpreted
 
-from minakv.model.quant import dequantize_mxfp4, quantize_mxfp4
 from minakv.ops import mxfp4_moe
 from minakv.ops.moe import route_softmax_topk
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_moe import moe_mxfp4, moe_mxfp4_fused, moe_mxfp4_ref
 from minakv.ops.mxfp4_tile import load_mxfp4_tile
+from minakv.ops.quant import dequantize_mxfp4, quantize_mxfp4
 
 LIMIT, ALPHA = 1.0, 1.702  # a small limit so the clamps of swiglu_oai bite
 PATHS = {"fused": moe_mxfp4_fused, "grouped": moe_mxfp4_grouped}

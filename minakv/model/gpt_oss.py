@@ -28,7 +28,7 @@ class GptOssExperts(nn.Module):
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
         self.packed = (config.quantization or {}).get("quant_method") == "mxfp4"
-        if self.packed:  # blocks u8 [E, out, in/32, 16], scales u8 [E, out, in/32] (minakv/model/quant.py)
+        if self.packed:  # blocks u8 [E, out, in/32, 16], scales u8 [E, out, in/32] (minakv/ops/quant.py)
             for name, rows, cols in (("gate_up", 2 * i, h), ("down", h, i)):
                 self.register_buffer(
                     f"{name}_blocks", torch.empty(e, rows, cols // 32, 16, dtype=torch.uint8)

@@ -6,8 +6,9 @@ by name. Our parameter names are the checkpoint names without `model.` (MiniMax-
   GPT-OSS: fused `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H] (bf16/fp32, the transpose of ours)
            or MXFP4 `*_blocks` / `*_scales` ([E, out, in] orientation); gate/up rows interleaved -> halves.
   MiniMax-M2: one `w1` (gate) / `w3` (up) / `w2` (down) per expert, possibly FP8 with `weight_scale_inv`.
-MiniMax-M2's FP8 weights are dequantised at load (minakv.model.quant); GPT-OSS's MXFP4 experts stay packed
-(`GptOssExperts.packed`) for the 4-bit kernels. Every tensor must be used once and every parameter found: a
+Quantised weights stay in their format (minakv.ops.quant): GPT-OSS's MXFP4 experts packed
+(`GptOssExperts.packed`), MiniMax-M2's FP8 attention projections and experts with their block scales
+(`Fp8Linear`, `MiniMaxM2Experts.fp8`), for the kernels that dequantise in registers. Every tensor must be used once and every parameter found: a
 missing, unexpected or mis-shaped tensor is an error that names it.
 """
 
@@ -25,7 +26,7 @@ from minakv.model.config import ModelConfig
 from minakv.model.gpt_oss import GptOssExperts
 from minakv.model.layers import CausalLM, Fp8Linear, fp8_resident
 from minakv.model.minimax_m2 import MiniMaxM2Experts
-from minakv.model.quant import dequantize_fp8_block
+from minakv.ops.quant import dequantize_fp8_block
 
 IGNORED = re.compile(r"(^|\.)mtp\.|rotary_emb\.inv_freq$")  # MiniMax MTP heads (unused), RoPE caches
 

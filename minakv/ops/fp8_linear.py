@@ -31,8 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minakv.model.quant import dequantize_fp8_block
 from minakv.ops.fp8_tile import BLOCK, check_fp8_weight, f32_dot, fp8_rows, scaled_dot
+from minakv.ops.quant import dequantize_fp8_block
 from minakv.ops.triton_util import check, num_sms, use_triton
 
 DECODE_MAX_ROWS = 64  # up to this many rows: decode tiles (one row block, K split to fill the GPU)

@@ -34,18 +34,17 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.model.quant import dequantize_fp8_block
 from minakv.ops.fp8_grouped import moe_fp8_grouped
 from minakv.ops.fp8_tile import (
-    ACTIVATIONS,
     BLOCK,
-    activate_tile,
     expert_shapes,
     f32_dot,
     fp8_rows,
     scaled_dot,
 )
 from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+from minakv.ops.quant import dequantize_fp8_block
 from minakv.ops.triton_util import use_triton
 
 # the fused kernels up to this many (token, slot) pairs (their id scan grows with them); then the grouped GEMM

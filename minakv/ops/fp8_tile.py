@@ -1,7 +1,7 @@
 """FP8 e4m3 weights with 128x128 block scales, dequantized in registers: what the FP8 linear (fp8_linear.py)
 and the FP8 MoE (fp8_moe.py, fp8_grouped.py) share.
 
-The layout, MiniMax-M2's checkpoint format (minakv/model/quant.py), for a weight W [out, in]:
+The layout, MiniMax-M2's checkpoint format (minakv/ops/quant.py), for a weight W [out, in]:
 
     weight     float8_e4m3fn [out, in]              one byte per weight
     scale_inv  f32 [ceil(out/128), ceil(in/128)]    one multiplier per 128 x 128 block (not an inverse!)
@@ -39,12 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.model.quant import dequantize_fp8_block, quantize_fp8_block
+from minakv.ops.moe_groups import ACTIVATIONS
+from minakv.ops.quant import dequantize_fp8_block, quantize_fp8_block
 from minakv.ops.triton_util import check, interpreting
 
 BLOCK = 128  # the checkpoint's scale block, both ways
 KEYS = ("gate_up", "gate_up_scale_inv", "down", "down_scale_inv")
-ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
 
 def check_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> None:
@@ -131,14 +131,3 @@ def scaled_dot(a, w_rows, s_rows, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, F32
     else:  # e4m3 -> bf16 / fp16 is exact
         part = tl.dot(a, tl.trans(q.to(a.dtype)))
     return acc + part * scale[None, :]
-
-
-@triton.jit
-def activate_tile(gate, up, limit, alpha, ACT: tl.constexpr):
-    """The expert's activation on fp32 gate / up tiles of the same columns (minakv.ops.moe.activate)."""
-    if ACT == 0:  # silu(gate) * up
-        return gate * tl.sigmoid(gate) * up
-    # GPT-OSS: gate clamped from above, up on both sides, and the "+1" on up
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    return (up + 1.0) * gate * tl.sigmoid(alpha * gate)

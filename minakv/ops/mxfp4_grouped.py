@@ -30,29 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, group_by_expert, my_tile
 from minakv.ops.mxfp4_tile import (
-    ACTIVATIONS,
-    activate_tile,
     dot_dtypes,
     dot_wt,
     load_mxfp4_tile,
     packed_rows,
     packed_shapes,
 )  # fmt: skip
-
-
-def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Pairs sorted by expert, on the device -> (order, counts, starts, tile_ends, max_tiles)."""
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    # scatter_add counts without the host sync that sizing a bincount needs
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-    tile_ends = torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32)
-    num_pairs = flat.numel()
-    max_tiles = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    return order, counts, starts, tile_ends, max_tiles
 
 
 def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
@@ -101,25 +86,6 @@ def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias
 
 
 @triton.jit
-def _my_tile(order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, N,
-             E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """This program's tile -> (expert (num_experts past the last tile), first column, rows in sorted
-    order [BLOCK_M], their pair indices, which rows are real)."""
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    tile = tl.program_id(0) // n_blocks
-    offs_e = tl.arange(0, E_PAD)
-    ends = tl.load(tile_ends_ptr + offs_e, mask=offs_e < num_experts, other=2**30)
-    expert = tl.sum((ends <= tile).to(tl.int32), 0)  # experts whose tiles all come before this one
-    e = tl.minimum(expert, num_experts - 1)  # keep the loads in bounds; the caller returns past the end
-    first_tile = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)
-    offs_m = (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < tl.load(counts_ptr + e)
-    rows = tl.load(starts_ptr + e) + offs_m
-    pair = tl.load(order_ptr + rows, mask=m_ok, other=0)
-    return expert, (tl.program_id(0) % n_blocks) * BLOCK_N, rows, pair, m_ok
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr, wb_ptr, ws_ptr, b_ptr, order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, h_ptr,
     H, I, TOPK, limit, alpha,
@@ -127,7 +93,7 @@ def _gate_up_kernel(
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    expert, n0, rows, pair, m_ok = _my_tile(
+    expert, n0, rows, pair, m_ok = my_tile(
         order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, I, E_PAD, BLOCK_M, BLOCK_N
     )
     if expert >= num_experts:
@@ -163,7 +129,7 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    expert, n0, rows, pair, m_ok = _my_tile(
+    expert, n0, rows, pair, m_ok = my_tile(
         order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, H, E_PAD, BLOCK_M, BLOCK_N
     )
     if expert >= num_experts:

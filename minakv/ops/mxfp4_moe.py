@@ -31,18 +31,17 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.model.quant import dequantize_mxfp4
 from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_tile import (
-    ACTIVATIONS,
-    activate_tile,
     dot_dtypes,
     dot_wt,
     load_mxfp4_tile,
     packed_rows,
     packed_shapes,
 )
+from minakv.ops.quant import dequantize_mxfp4
 from minakv.ops.triton_util import use_triton
 
 # the fused kernels up to this many (token, slot) pairs (their id scan grows with them); then the grouped GEMM

@@ -1,6 +1,6 @@
 """MXFP4 weights dequantized in registers: what both MXFP4 MoE paths (mxfp4_moe.py, mxfp4_grouped.py) share.
 
-The packed layout (minakv/model/quant.py), one expert, one output row n of a weight W [out, in]:
+The packed layout (minakv/ops/quant.py), one expert, one output row n of a weight W [out, in]:
 
     blocks u8 [E, out, in/32, 16]      row n:  | b0 b1 ... b15 | b16 ... b31 | ...   in/2 bytes
                                                  group 0         group 1
@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minakv.ops.moe_groups import ACTIVATIONS
 from minakv.ops.triton_util import check, interpreting
 
-ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 KEYS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
 
 
@@ -149,14 +149,3 @@ def dot_wt(a, w, acc, F32_DOT: tl.constexpr):
     if F32_DOT:  # fp32 activations (or the interpreter): exact fp32 products, not tf32
         return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     return tl.dot(a, tl.trans(w.to(a.dtype)), acc)
-
-
-@triton.jit
-def activate_tile(gate, up, limit, alpha, ACT: tl.constexpr):
-    """The expert's activation on fp32 gate / up tiles of the same columns (minakv.ops.moe.activate)."""
-    if ACT == 0:  # silu(gate) * up
-        return gate * tl.sigmoid(gate) * up
-    # GPT-OSS: gate clamped from above, up on both sides, and the "+1" on up
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    return (up + 1.0) * gate * tl.sigmoid(alpha * gate)

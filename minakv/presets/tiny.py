@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from minakv.model.quant import quantize_fp8_block, quantize_mxfp4
+from minakv.ops.quant import quantize_fp8_block, quantize_mxfp4
 from minakv.presets.tiny_text import GPT_OSS_TEMPLATE, MINIMAX_TEMPLATE, minimax_tokenizer
 from minakv.text.tokenizer import gpt_oss_tokenizer_json
 

@@ -16,7 +16,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from minakv.model.quant import quantize_fp8_block, quantize_mxfp4
+from minakv.ops.quant import quantize_fp8_block, quantize_mxfp4
 
 WINDOW = 5  # GPT-OSS's sliding window
 

@@ -1,0 +1,62 @@
+"""What the quantised MoE kernels (MXFP4 and FP8, decode and prefill paths) share: grouping the (token, slot)
+pairs by expert on the device, finding a grouped-GEMM program's tile, and the expert activation in registers.
+
+    pairs  p0 p1 p2 p3 p4 p5        ids 3 0 3 1 0 3   (T * k pairs)
+    order  p1 p4 | p3 | p0 p2 p5    sorted by expert; counts [2, 1, 0, 3]; starts [0, 2, 3, 3]
+    tiles  [e0: p1 p4] [e1: p3] [e3: p0 p2 p5]   ceil(count / BLOCK_M) tiles per expert; tile_ends [1, 2, 2, 3]
+
+The grouping is built with device ops only (no host sync), so a step stays capturable in a CUDA graph; the
+grid is sized from a bound the host knows (`max_tiles`), and programs past the last tile return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Pairs sorted by expert, on the device -> (order, counts, starts, tile_ends, max_tiles)."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # scatter_add counts without the host sync that sizing a bincount needs
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    tile_ends = torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32)
+    num_pairs = flat.numel()
+    max_tiles = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    return order, counts, starts, tile_ends, max_tiles
+
+
+@triton.jit
+def my_tile(order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, N,
+             E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """This program's tile -> (expert (num_experts past the last tile), first column, rows in sorted
+    order [BLOCK_M], their pair indices, which rows are real)."""
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0) // n_blocks
+    offs_e = tl.arange(0, E_PAD)
+    ends = tl.load(tile_ends_ptr + offs_e, mask=offs_e < num_experts, other=2**30)
+    expert = tl.sum((ends <= tile).to(tl.int32), 0)  # experts whose tiles all come before this one
+    e = tl.minimum(expert, num_experts - 1)  # keep the loads in bounds; the caller returns past the end
+    first_tile = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)
+    offs_m = (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < tl.load(counts_ptr + e)
+    rows = tl.load(starts_ptr + e) + offs_m
+    pair = tl.load(order_ptr + rows, mask=m_ok, other=0)
+    return expert, (tl.program_id(0) % n_blocks) * BLOCK_N, rows, pair, m_ok
+
+
+@triton.jit
+def activate_tile(gate, up, limit, alpha, ACT: tl.constexpr):
+    """The expert's activation on fp32 gate / up tiles of the same columns (minakv.ops.moe.activate)."""
+    if ACT == 0:  # silu(gate) * up
+        return gate * tl.sigmoid(gate) * up
+    # GPT-OSS: gate clamped from above, up on both sides, and the "+1" on up
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
