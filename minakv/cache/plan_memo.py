@@ -64,10 +64,11 @@ def cut_digests(
 
 
 class PlanMemo:
-    """The latest snapshots, by cut digest; at most `max_entries` planned entries held in all (the
-    snapshots of one agent share their arrays, so this overcounts)."""
+    """The latest snapshots, by cut digest; at most `max_entries` planned entries held in all (72 bytes
+    each, up to twice that with the columns' spare room: ~100 MB at the default; the snapshots of one agent
+    share their arrays, so this overcounts)."""
 
-    def __init__(self, page_size: int, max_entries: int = 4_000_000) -> None:
+    def __init__(self, page_size: int, max_entries: int = 1_000_000) -> None:
         self.page_size = page_size
         self.max_entries = max_entries
         self.snapshots: OrderedDict[bytes, Snapshot] = OrderedDict()
