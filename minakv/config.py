@@ -26,6 +26,11 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode-only steps (CUDA only)
     overlap: bool = True  # prepare step N + 1 on the host while the device runs step N (same results)
     memory_fraction: float = 0.85  # of free accelerator memory (or a share of RAM on cpu) for the KV pool
+    # None: the worker runs in the engine's process. A device list (e.g. ["cpu"], ["cuda:0"]): the model and
+    # its KV run in a worker process the engine starts and supervises (minakv/worker/process.py). Separate
+    # prefill and decode workers are not built yet: the two lists must name the same one device.
+    prefill_devices: list[str] | None = None
+    decode_devices: list[str] | None = None
 
     def check(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8"):
@@ -38,3 +43,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must hold at least one page, got {self.kv_cache_tokens!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.prefill_devices is not None or self.decode_devices is not None:
+            prefill, decode = (
+                self.prefill_devices or self.decode_devices,
+                self.decode_devices or self.prefill_devices,
+            )
+            if list(prefill) != list(decode) or len(prefill) != 1:
+                raise ValueError(
+                    "prefill_devices and decode_devices must name the same one device for now (one worker "
+                    f"process does both; separate workers are not built yet), got {prefill!r} and {decode!r}"
+                )

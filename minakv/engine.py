@@ -34,6 +34,7 @@ from minakv.scheduler.request import Request
 from minakv.scheduler.scheduler import Scheduler
 from minakv.text.tokenizer import Tokenizer
 from minakv.worker.batch import ForwardBatch
+from minakv.worker.process import WorkerDied, WorkerProcess
 from minakv.worker.worker import Launched, Worker, kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,43 @@ def pool_tokens(config: EngineConfig, model_bytes_per_token: int, device: torch.
     return max(config.page_size, int(budget // model_bytes_per_token))
 
 
+def load_model_by_name(config: EngineConfig) -> CausalLM:
+    """The model `config.model` names (a preset, a directory, a hub id; random weights if load_format is
+    "dummy") on `config.device` in `config.dtype`. The engine and worker processes both load through here."""
+    dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
+    device, dtype = default_device_dtype(config.device, dtype)
+    if config.load_format == "dummy":
+        return build_dummy(config.model, device, dtype)
+    from minakv.presets import resolve_model
+
+    return load_model(resolve_model(config.model), device=device, dtype=dtype)
+
+
+def load_tokenizer(config: EngineConfig, arch: str) -> Tokenizer | None:
+    """The tokenizer of `config.model`, or None (the engine then takes token ids)."""
+    if config.load_format == "dummy":
+        return dummy_tokenizer(arch)
+    from minakv.presets import resolve_model
+
+    path = resolve_model(config.model)
+    return Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+
+
+def make_worker(config: EngineConfig, model: CausalLM) -> tuple[Worker, int, int, int]:
+    """The worker for `model` with its KV pool sized from `config`: (worker, pages, KV bytes per token,
+    max_model_len)."""
+    dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+    limit = model.config.max_position_embeddings
+    max_model_len = min(config.max_model_len or limit, limit)
+    kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
+    per_token = kv_bytes_per_token(model, kv_dtype)
+    num_pages = max(1, pool_tokens(config, per_token, device) // config.page_size)
+    num_slots = num_pages * config.page_size
+    max_keys = min(num_slots, max_model_len) + 1  # the most keys one decode token can read
+    worker = Worker(model, num_slots, config.max_num_seqs, max_keys, kv_dtype, cuda_graphs=config.cuda_graphs)
+    return worker, num_pages, per_token, max_model_len
+
+
 class Engine:
     def __init__(
         self, model: str | CausalLM = "tiny-gpt-oss", tokenizer: Tokenizer | None = None, **kwargs: Any
@@ -71,37 +109,23 @@ class Engine:
             model=str(model) if isinstance(model, (str, Path)) else "custom", **kwargs
         )
         config.check()
-        if isinstance(model, CausalLM):
-            self.model, self.tokenizer, self.model_name = model, tokenizer, "custom"
-            dtype = model.embed_tokens.weight.dtype
-            device = model.embed_tokens.weight.device
-        elif config.load_format == "dummy":
-            dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
-            device, dtype = default_device_dtype(config.device, dtype)
-            self.model = build_dummy(config.model, device, dtype)
-            self.model_name = str(model)
-            self.tokenizer = tokenizer or dummy_tokenizer(self.model.config.arch)
+        if config.prefill_devices or config.decode_devices:  # the model and its KV live in a worker process
+            if not isinstance(model, (str, Path)):
+                raise ValueError(
+                    "a worker process loads its model by name: pass a preset, directory or hub id"
+                )
+            self.worker = WorkerProcess(config)  # starts the child and waits until its model is loaded
+            self.model, self.model_name = self.worker.model, str(model)
+            self.tokenizer = tokenizer or load_tokenizer(config, self.model.config.arch)
+            num_pages, per_token = self.worker.num_pages, self.worker.kv_bytes_per_token
+            self.max_model_len = self.worker.max_model_len
         else:
-            from minakv.presets import resolve_model
-
-            path = resolve_model(config.model)
-            dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
-            device, dtype = default_device_dtype(config.device, dtype)
-            self.model = load_model(path, device=device, dtype=dtype)
-            self.model_name = str(model)
-            self.tokenizer = tokenizer or (
-                Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
-            )
-        limit = self.model.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
-        per_token = kv_bytes_per_token(self.model, kv_dtype)
-        num_pages = max(1, pool_tokens(config, per_token, device) // config.page_size)
-        num_slots = num_pages * config.page_size
-        max_keys = min(num_slots, self.max_model_len) + 1  # the most keys one decode token can read
-        self.worker = Worker(
-            self.model, num_slots, config.max_num_seqs, max_keys, kv_dtype, cuda_graphs=config.cuda_graphs
-        )
+            if isinstance(model, CausalLM):
+                self.model, self.tokenizer, self.model_name = model, tokenizer, "custom"
+            else:
+                self.model, self.model_name = load_model_by_name(config), str(model)
+                self.tokenizer = tokenizer or load_tokenizer(config, self.model.config.arch)
+            self.worker, num_pages, per_token, self.max_model_len = make_worker(config, self.model)
         self.scheduler = Scheduler(config, num_pages, per_token, self.tokenizer, self.max_model_len)
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -143,7 +167,11 @@ class Engine:
                 changed = self.step()
             except Exception as exc:  # leave no half-run request behind: the engine stays usable
                 self._inflight = None
-                self.scheduler.fail_all(f"internal error: {exc!r}", publish=False)
+                if isinstance(exc, WorkerDied):
+                    self._lose_worker(exc)
+                    self._restart_worker()
+                else:
+                    self.scheduler.fail_all(f"internal error: {exc!r}", publish=False)
                 raise
             for r in changed:
                 if r.finish_reason is not None:
@@ -229,6 +257,8 @@ class Engine:
                 self.scheduler.add(r)
             ended = self.scheduler.fail_all("the engine shut down") if self.scheduler.has_work() else []
         self._deliver(ended)
+        if isinstance(self.worker, WorkerProcess):
+            self.worker.close()
 
     def __enter__(self) -> Self:
         return self
@@ -303,6 +333,12 @@ class Engine:
                 try:
                     with self._step_lock:
                         changed += self.step()
+                except WorkerDied as exc:  # tell its requests at once; restarting takes seconds
+                    with self._step_lock:
+                        changed += self._lose_worker(exc)
+                    self._deliver(changed)
+                    self._restart_worker()
+                    continue
                 except Exception as exc:
                     logger.exception("engine step failed; its requests are retried one by one")
                     with self._step_lock:
@@ -312,6 +348,31 @@ class Engine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
             self._deliver(changed)
+
+    def _lose_worker(self, exc: WorkerDied) -> list[Request]:
+        """The worker process died, and every KV page with it: end every request the scheduler holds
+        (reason "error"; their pages of the lost steps publish nothing) and forget every cached page, so the
+        accounting stays exact and nothing reads KV that is gone. Returns the ended requests."""
+        action = "shutting down" if self._closing else "restarting the worker"
+        logger.error(
+            "%s: ending %d requests, clearing the KV cache, %s", exc, len(self.scheduler.running), action
+        )
+        self._inflight = None
+        ended = self.scheduler.fail_all(f"{exc}; the engine is {action}", publish=False)
+        self.scheduler.kv.clear()
+        return ended
+
+    def _restart_worker(self) -> None:
+        """Start a fresh worker process after `_lose_worker`; if that fails, refuse new requests."""
+        if self._closing:
+            return
+        try:  # (not under the step lock: stats() must answer meanwhile; only this thread uses the worker)
+            self.worker.restart()
+            logger.warning("worker process restarted (pid %s); the KV cache starts empty", self.worker.pid)
+        except Exception:
+            logger.exception("the worker process could not be restarted: the engine takes no new requests")
+            with self._lock:
+                self._closing = True
 
     def _deliver(self, changed: list[Request]) -> None:
         """Hand each changed request's news to its stream (on the stream's own event loop)."""

@@ -68,6 +68,13 @@ class KVCache:
         self.publish(publish)
         self.pool.decref(pages)
 
+    def clear(self) -> None:
+        """Forget every cached page (their KV is gone: the worker process died). Only pages no request holds
+        can go, so end the requests first."""
+        self.index.evict(len(self.index))
+        if len(self.index):
+            raise RuntimeError(f"{len(self.index)} cached pages are still held by requests")
+
     def check(self, holders: list[list[int]]) -> None:
         """Exact accounting: every reference is a running request's page or a cached page."""
         self.pool.check([*holders, self.index.held_pages()])

@@ -1,0 +1,247 @@
+"""The worker in a process of its own, started and supervised by the engine.
+
+`Engine(model, prefill_devices=["cpu"], decode_devices=["cpu"])` runs the model, the KV tensors and the
+`Worker` in a spawned child process; the engine's thread keeps the scheduler and talks to the child through
+`WorkerProcess`, which has the worker's interface (`launch(batch) -> handle`, `collect(handle) -> result`):
+
+    parent: engine thread, scheduler                        child: Worker, model, KV (on its device)
+      launch(batch N)    -- (N, ForwardBatch) --> queue -->   Worker.launch + Worker.collect, in order
+      collect(handle N)  <-- (N, StepResult)  --  pipe  <--   (or (N, Failed) when the step raised)
+
+A `ForwardBatch` is plain data (lists, numpy arrays, sampling parameters), so it pickles as it is. Overlap
+keeps working: the engine sends batch N + 1 before it reads step N's tokens, the child serves the batches in
+order, and ids that reference step N's samples (`-(row + 1)`) resolve in the child as they do in process.
+Batches go through a queue, whose feeder thread writes the pipe, so `launch` never blocks the engine thread
+even when a batch is larger than the pipe's buffer (the child may be busy sending a large result meanwhile).
+
+Supervision: while the parent waits for the child (start-up or a step's result), it polls the result pipe
+with a short timeout and checks that the child is alive. A killed or crashed child closes its end of the
+pipe, so the wait ends at once with `WorkerDied`; the engine then ends the requests it holds with an error,
+forgets every cached page (their KV died with the child) and calls `restart()`, which starts a fresh child
+with the same pool size (the scheduler's page numbers stay valid). A child whose parent died exits within a
+second. Children are daemons: multiprocessing terminates them at interpreter exit; `close()` stops one.
+
+`torch.distributed`: each child joins a process group of the workers (NCCL on CUDA, gloo on CPU, the same
+code) and waits at a barrier until every worker holds its model and its KV. With one worker that group has
+one rank; it is there for the next steps of docs/design.md 3.4 (KV transfer between prefill and decode
+workers, tensor and expert parallelism). The parent stays out of it: it has no device, and NCCL needs one
+per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minakv.config import EngineConfig
+from minakv.model import ModelConfig
+from minakv.worker.batch import ForwardBatch
+from minakv.worker.worker import StepResult
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often a waiting parent checks that the child is alive
+
+
+class WorkerDied(RuntimeError):
+    """The worker process is gone (killed, crashed): the KV it held is lost."""
+
+
+@dataclass
+class Ready:
+    """The child's first message: the model is loaded and the KV pool is allocated."""
+
+    model_config: ModelConfig
+    num_pages: int
+    kv_bytes_per_token: int
+    max_model_len: int
+
+
+@dataclass
+class Failed:
+    """The child's answer when a step (or start-up) raised: the exception, as text."""
+
+    kind: str
+    message: str
+    trace: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failed:
+        return cls(type(exc).__name__, str(exc), traceback.format_exc())
+
+
+@dataclass
+class RemoteModel:
+    """The parent's stand-in for a model that lives in the worker process: what the scheduler, the prompt
+    builder and the server read of it (`engine.model.config`)."""
+
+    config: ModelConfig
+
+
+@dataclass
+class Handle:
+    seq: int  # the batch's number: results come back in order, each with its number
+
+
+class WorkerProcess:
+    def __init__(self, config: EngineConfig) -> None:
+        """Start the child on `config.prefill_devices[0]` (today prefill and decode share one device) and wait
+        until it has loaded the model; raises what the child raised (a bad model name: ValueError)."""
+        self.config = config
+        self.device = (config.prefill_devices or config.decode_devices or ["cpu"])[0]
+        self.graphs = None  # the CUDA graphs (and the penalty tables) live in the child
+        self.penalties = None
+        self.process: mp.Process | None = None
+        self._start(config.kv_cache_tokens)
+
+    # ----- the worker's interface -----
+    def launch(self, batch: ForwardBatch) -> Handle:
+        if self.process is None or not self.process.is_alive():
+            raise self._died()
+        self._seq += 1
+        self._batches.put((self._seq, batch))
+        return Handle(self._seq)
+
+    def collect(self, handle: Handle) -> StepResult:
+        """Wait for the step's result. Results of earlier steps the engine dropped (after a failed step) are
+        skipped. A step that raised in the child raises here, as a step that raises in process does."""
+        while True:
+            seq, reply = self._receive()
+            if seq < handle.seq:
+                continue
+            if isinstance(reply, Failed):
+                raise RuntimeError(f"worker step failed: {reply.kind}: {reply.message}\n{reply.trace}")  # noqa: TRY004
+            return reply
+
+    # ----- supervision -----
+    def restart(self) -> None:
+        """Start a fresh child with the same pool size, after `WorkerDied`. Its KV is empty, so the engine
+        must have ended every request and cleared its cache index first."""
+        old = self.num_pages
+        self.close()
+        self._start(old * self.config.page_size)
+        if self.num_pages != old:  # the scheduler's page numbers would be wrong
+            self.close()
+            raise RuntimeError(f"the restarted worker has {self.num_pages} pages, not {old}")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the child: ask it to exit, then terminate it, then kill it. Idempotent."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.is_alive():
+            self._batches.put(None)
+            process.join(timeout)
+        if process.is_alive():
+            process.terminate()
+            process.join(1.0)
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
+        self._batches.close()
+        self._results.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def _start(self, kv_cache_tokens: int | None) -> None:
+        ctx = mp.get_context(
+            "spawn"
+        )  # fork is unsafe with threads and CUDA; spawn starts a clean interpreter
+        self._batches = ctx.Queue()
+        self._batches.cancel_join_thread()  # never hang the parent's exit on a batch a dead child never read
+        self._results, child_end = ctx.Pipe(duplex=False)
+        self._seq = 0
+        child = replace(self.config, device=self.device, prefill_devices=None, decode_devices=None,
+                        kv_cache_tokens=kv_cache_tokens)  # fmt: skip
+        group = f"tcp://127.0.0.1:{free_port()}"  # rank 0 serves the group's store there
+        self.process = ctx.Process(
+            target=serve,
+            args=(child, child_end, self._batches, torch.get_num_threads(), group),
+            name="minakv-worker",
+            daemon=True,
+        )
+        self.process.start()
+        child_end.close()  # only the child holds the writing end: its death is an end of file here
+        _, ready = self._receive()
+        if isinstance(ready, Failed):
+            self.close()
+            error = ValueError if ready.kind in ("ValueError", "FileNotFoundError") else RuntimeError
+            raise error(f"the worker process could not start: {ready.message}")
+        self.model = RemoteModel(ready.model_config)
+        self.num_pages, self.kv_bytes_per_token = ready.num_pages, ready.kv_bytes_per_token
+        self.max_model_len = ready.max_model_len
+        logger.info("worker process %d on %s: %d KV pages", self.process.pid, self.device, self.num_pages)
+
+    def _receive(self) -> tuple[int, object]:
+        """The child's next message; `WorkerDied` as soon as the child is gone, never a hang."""
+        try:
+            while not self._results.poll(POLL_S):
+                if self.process is None or not self.process.is_alive():
+                    raise self._died()
+            return self._results.recv()
+        except (EOFError, OSError):
+            raise self._died() from None
+
+    def _died(self) -> WorkerDied:
+        process = self.process
+        if process is None:
+            return WorkerDied("the worker process is not running")
+        process.join(1.0)
+        return WorkerDied(
+            f"the worker process (pid {process.pid}, {self.device}) died (exit code {process.exitcode})"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(config: EngineConfig, results: Connection, batches, num_threads: int, group: str) -> None:
+    """The child's main: join the workers' process group, build the model and the `Worker` as the in-process
+    engine does, say `Ready`, then serve batches in order until told to stop (None) or the parent is gone."""
+    torch.set_num_threads(num_threads)  # the parent's setting (tests run tiny models on one thread)
+    try:
+        device = torch.device(config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", init_method=group, rank=0, world_size=1
+        )
+        from minakv.engine import load_model_by_name, make_worker  # the engine's own code, not a copy
+
+        model = load_model_by_name(config)
+        worker, num_pages, per_token, max_model_len = make_worker(config, model)
+        dist.barrier(device_ids=[device.index or 0] if device.type == "cuda" else None)
+        results.send((0, Ready(model.config, num_pages, per_token, max_model_len)))
+    except BaseException as exc:  # noqa: BLE001 (whatever it is, the parent must hear of it)
+        results.send((0, Failed.of(exc)))
+        return
+    parent = mp.parent_process()
+    while True:
+        try:
+            message = batches.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():  # orphaned: nobody will read our results
+                break
+            continue
+        if message is None:
+            break
+        seq, batch = message
+        try:
+            reply = worker.collect(worker.launch(batch))
+        except Exception as exc:  # noqa: BLE001 (the engine quarantines the step's requests, as in process)
+            reply = Failed.of(exc)
+        results.send((seq, reply))
+    dist.destroy_process_group()
