@@ -73,8 +73,10 @@ def test_an_agents_next_round_resumes_at_its_last_cut() -> None:
         assert_same(resumed, plan_request(program, ids), 4)
         if r > 3:  # rounds with operations: round r resumes where round r - 1 stopped ...
             assert memo.hits == before + 1
-            # ... and appends to its entry columns in place (round r - 1 ended at its cut), no copy
-            assert np.shares_memory(resumed.records, previous.records)
+            # ... and appends to its entry columns in place (round r - 1 ended at its cut): no copy of the
+            # history, unless the columns ran out of room and doubled
+            grew = len(resumed.token.base) > len(previous.token.base)
+            assert np.shares_memory(resumed.records, previous.records) or grew
         previous = resumed
     # another agent's history (other tokens) shares nothing
     owners, ids, drop, reposition = agent_round(8)
@@ -91,4 +93,4 @@ def test_the_memo_holds_a_bounded_number_of_entries() -> None:
         owners, ids, drop, reposition = agent_round(r)
         plan_request(compile_program(owners, len(set(owners)), drop, reposition), ids, memo)
         assert memo.entries <= 300
-        assert memo.entries == sum(s.size for s in memo.snapshots.values())
+        assert memo.entries == sum(s.cost for s in memo.snapshots.values())

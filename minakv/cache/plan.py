@@ -113,7 +113,7 @@ class _Columns:
         """Columns to append to after entry `size`: these, unless someone appended past it already."""
         if self.length == size:
             return self
-        other = _Columns(max(2 * size, 1024))
+        other = _Columns(max(2 * size, 64))
         for mine, theirs in zip(other.cols, self.cols):
             mine[:size] = theirs[:size]
         other.length = size
@@ -122,13 +122,17 @@ class _Columns:
     def append(self, *values: np.ndarray) -> None:
         n, k = self.length, len(values[0])
         if n + k > len(self.cols[0]):  # grow by doubling; plans holding views keep the old arrays
-            bigger = _Columns(max(2 * (n + k), 1024))
+            bigger = _Columns(max(2 * (n + k), 64))
             for new, old in zip(bigger.cols, self.cols):
                 new[:n] = old[:n]
             self.cols = bigger.cols
         for col, value in zip(self.cols, values):
             col[n : n + k] = value
         self.length = n + k
+
+    @property
+    def capacity(self) -> int:
+        return len(self.cols[0])
 
     def view(self, size: int) -> list[np.ndarray]:
         return [col[:size] for col in self.cols]
@@ -139,7 +143,7 @@ class _Builder:
 
     def __init__(self, n: int, token_ids: np.ndarray) -> None:
         self.ids = token_ids
-        self.columns = _Columns(max(2 * n, 1024))
+        self.columns = _Columns(max(2 * n, 64))
         self.size = 0
         self.current = np.full(n, -1, dtype=np.int64)
         self.current_pos = np.zeros(n, dtype=np.int64)

@@ -45,6 +45,7 @@ class Snapshot:
     segment_start: list[int]
     copies: int
     keys: list[PageKey]  # the keys of the full pages among the first `size` entries
+    cost: int = 0  # entries of memory it keeps alive, counted when stored (PlanMemo.store)
 
 
 def cut_digests(
@@ -86,10 +87,13 @@ class PlanMemo:
         return None
 
     def store(self, digest: bytes, snap: Snapshot) -> None:
-        if digest in self.snapshots or snap.size > self.max_entries:
+        """Keep `snap`, dropping the least recently used ones beyond the budget. A snapshot costs the
+        capacity of the entry columns it keeps alive (not only the entries planned so far)."""
+        snap.cost = max(snap.size, snap.columns.capacity)  # fixed now: the columns may grow later
+        if digest in self.snapshots or snap.cost > self.max_entries:
             return
         self.snapshots[digest] = snap
-        self.entries += snap.size
+        self.entries += snap.cost
         while self.entries > self.max_entries:
             _, old = self.snapshots.popitem(last=False)
-            self.entries -= old.size
+            self.entries -= old.cost
