@@ -153,3 +153,10 @@ def test_bad_settings_are_refused() -> None:
         Engine(PRESET, prefill_devices=["cpu"], decode_devices=["cuda:0"], **SETTINGS)
     with pytest.raises(ValueError, match="could not start"):  # the child's error, not a hang
         Engine("no-such-model-dir", prefill_devices=["cpu"], decode_devices=["cpu"], **SETTINGS)
+
+
+def test_serve_flags() -> None:
+    from minakv.server.serve import parser
+
+    args = parser().parse_args([PRESET, "--prefill-devices", "cpu", "--decode-devices", "cpu"])
+    assert args.prefill_devices == args.decode_devices == ["cpu"]

@@ -21,6 +21,11 @@ def positive(text: str) -> int:
     return value
 
 
+def devices(text: str) -> list[str]:
+    """A comma-separated list: "cuda:0,cuda:1" -> ["cuda:0", "cuda:1"]."""
+    return [d.strip() for d in text.split(",") if d.strip()]
+
+
 def port(text: str) -> int:
     value = positive(text) if text != "0" else 0
     if value > 65535:
@@ -50,6 +55,10 @@ def parser() -> argparse.ArgumentParser:
         "--max-queued-requests", type=positive, default=256, help="waiting requests before HTTP 503"
     )
     p.add_argument("--max-num-seqs", type=positive, default=None, help="requests decoding at once")
+    p.add_argument("--prefill-devices", type=devices, default=None,
+                   help="run the model in a worker process on these devices (comma-separated; for now one, "
+                        "equal to --decode-devices: one process does both)")  # fmt: skip
+    p.add_argument("--decode-devices", type=devices, default=None, help="see --prefill-devices")
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (MiB)")
@@ -91,6 +100,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     }
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.prefill_devices or args.decode_devices:
+        kwargs["prefill_devices"], kwargs["decode_devices"] = args.prefill_devices, args.decode_devices
     try:
         engine = Engine(args.model, **kwargs)
     except (ValueError, FileNotFoundError) as e:
