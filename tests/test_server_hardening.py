@@ -427,7 +427,10 @@ def test_health_answers_while_a_30mb_body_is_refused(server, engine) -> None:
 
     stream_times, health_times, (status, body), elapsed = asyncio.run(scenario())
     assert_error(status, body, 400, "messages", "characters long")
-    assert health_times and max(health_times) < 0.5, health_times
+    # within 0.5 s, allowing one late answer on a loaded 2-core CI machine (a blocked loop would take the
+    # whole parse, many seconds, for every answer)
+    late = sorted(health_times)[-2] if len(health_times) > 1 else health_times[0]
+    assert health_times and late < 0.5 and max(health_times) < 2.0, health_times
     gaps = [b - a for a, b in pairwise(stream_times)]
     assert len(stream_times) > 10 and max(gaps) < 1.0, (max(gaps), elapsed)
     wait_idle(engine)
