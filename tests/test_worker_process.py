@@ -160,3 +160,17 @@ def test_serve_flags() -> None:
 
     args = parser().parse_args([PRESET, "--prefill-devices", "cpu", "--decode-devices", "cpu"])
     assert args.prefill_devices == args.decode_devices == ["cpu"]
+
+
+def test_gpt_oss_text_prompts_match_the_in_process_engine() -> None:
+    """The other family, with a tokenizer: the parent loads it, the child loads only the model."""
+    prompts = [
+        "Hello there",
+        {"message_tokens": [[1, 2, 3], [4, 5, 6, 7], [8, 9]], "cache": {"drop": {"2": [1]}}},
+    ]
+    with Engine("tiny-gpt-oss", **SETTINGS) as local:
+        expected = [(o.token_ids, o.text) for o in local.generate(prompts, SAMPLED)]
+    with Engine("tiny-gpt-oss", prefill_devices=["cpu"], decode_devices=["cpu"], **SETTINGS) as remote:
+        assert remote.tokenizer is not None and remote.arch == "gpt_oss"
+        assert [(o.token_ids, o.text) for o in remote.generate(prompts, SAMPLED)] == expected
+        remote.check()
