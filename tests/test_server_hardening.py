@@ -9,9 +9,11 @@ runner class `minakv serve` uses (errors.Runner), so malformed HTTP is answered 
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
 import json
 import logging
+import os
 import socket
 import time
 from itertools import pairwise
@@ -434,3 +436,41 @@ def test_health_answers_while_a_30mb_body_is_refused(server, engine) -> None:
     gaps = [b - a for a, b in pairwise(stream_times)]
     assert len(stream_times) > 10 and max(gaps) < 1.0, (max(gaps), elapsed)
     wait_idle(engine)
+
+
+def memory_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_a_30mb_body_costs_a_small_multiple_of_its_size_and_is_given_back(server, engine) -> None:
+    """Peak memory while a 30 MB body is refused stays within a few times its size (the server runs in this
+    process, the client's copy of the body included), and what it took is returned afterwards."""
+    big = json.dumps(
+        chat(messages=[{"role": "user", "content": "hello world " * ((30 << 20) // 12)}])
+    ).encode()
+    size = len(big) / 2**20
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current resident size
+    before = memory_mb("VmRSS")
+    r = requests_post(server.url + "/v1/chat/completions", big)
+    assert r == 400
+    gc.collect()
+    peak, after = memory_mb("VmHWM") - before, memory_mb("VmRSS") - before
+    assert peak < 8 * size, (peak, size)
+    assert after < 2 * size, (after, size)
+
+
+def requests_post(url: str, body: bytes) -> int:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        e.read()
+        return e.code
