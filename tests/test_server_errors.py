@@ -168,6 +168,9 @@ def test_api_key(http: Http) -> None:
         good_request_works(http)
     assert http.get("/health").status_code == 200  # health and metrics need no key
     assert http.get("/metrics").status_code == 200
+    # the Anthropic SDK's header: the right key passes, a wrong one is a 401
+    assert http.get("/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    assert http.get("/v1/models", headers={"x-api-key": "wrong"}).status_code == 401
 
 
 def test_unknown_route_and_method(http: Http) -> None:
