@@ -82,6 +82,9 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.seed is not None:
             self.seed = self.params.seed
+        # the ids that end generation, as sets: checked for every sampled token (a stop list may be long)
+        self.eos_set = frozenset(self.eos_token_ids)
+        self.stop_set = frozenset(self.params.stop_token_ids or ())
 
     @property
     def all_ids(self) -> list[int]:

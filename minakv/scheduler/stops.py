@@ -28,7 +28,7 @@ def apply_token(r: Request, token: int, logprob: TokenLogprob | None, tokenizer,
     if logprob is not None:
         r.logprobs.append(logprob)
     p = r.params
-    if (not p.ignore_eos and token in r.eos_token_ids) or (p.stop_token_ids and token in p.stop_token_ids):
+    if (not p.ignore_eos and token in r.eos_set) or token in r.stop_set:
         return _finish(r, "stop")
     if tokenizer is not None:
         if r.detok is None:  # made at the request's first output token
