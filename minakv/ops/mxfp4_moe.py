@@ -35,14 +35,16 @@ from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_tile import (
+    MODES,
     dot_dtypes,
-    dot_wt,
-    load_mxfp4_tile,
+    load_act,
+    mxfp4_acc,
     packed_rows,
     packed_shapes,
+    split_col,
 )
 from minakv.ops.quant import dequantize_mxfp4
-from minakv.ops.triton_util import use_triton
+from minakv.ops.triton_util import check, use_triton
 
 # the fused kernels up to this many (token, slot) pairs (their id scan grows with them); then the grouped GEMM
 FUSED_MAX_PAIRS = 512
@@ -85,14 +87,21 @@ def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
 
 def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                     limit=7.0, alpha=1.702, *, block_m: int | None = None, block_n: int = 32,
-                    block_k: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+                    block_k: int = 128, num_warps: int = 4, num_stages: int = 3, mode: str = "interleave",
+                    slots: str = "experts") -> torch.Tensor:  # fmt: skip
     """The decode path: two kernels, each chosen expert's packed weights read once. The keyword-only knobs
-    are for benchmarks and tests (block_k: a multiple of 32)."""
+    are for benchmarks and tests (block_k: a multiple of 32). mode: how a tile is consumed (mxfp4_tile.MODES).
+    slots: "experts", a program row per expert (most return at once when T*k << E); "pairs", a program row
+    per pair, the first pair of each expert serving it (the others return): T*k rows instead of E; "auto",
+    the fewer."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
+    check(mode in MODES and slots in ("experts", "pairs", "auto"), f"mode {mode!r}, slots {slots!r}")
+    by_pair = slots == "pairs" or (slots == "auto" and num_pairs < num_experts)
     if block_m is None:  # twice the average rows per expert (most experts in one pass), >= a tensor-core tile
-        block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(2 * num_pairs, num_experts))))
+        block_m = triton.next_power_of_2(triton.cdiv(2 * num_pairs, num_experts))
+        block_m = min(64, max(16, block_m)) if mode != "fma" else min(4, block_m)
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     pairs_pad = max(16, triton.next_power_of_2(num_pairs))
@@ -101,6 +110,8 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     gub, gus, db, ds = (w[key] for key in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"))
     meta = {
         "PAIRS_PAD": pairs_pad,
+        "BY_PAIR": by_pair,
+        "MODE": MODES[mode],
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
@@ -109,9 +120,10 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
         "num_warps": num_warps,
         "num_stages": num_stages,
     }
+    rows = num_pairs if by_pair else num_experts
 
-    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # split columns unless mode 0
+    _gate_up_kernel[(rows, triton.cdiv(inter, block_n))](
         x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h,
         num_pairs, hidden, inter, k, float(limit), float(alpha),
         x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0), gus.stride(1),
@@ -120,7 +132,7 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     )  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _down_kernel[(num_experts, triton.cdiv(hidden, block_n))](
+    _down_kernel[(rows, triton.cdiv(hidden, block_n))](
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y,
         num_pairs, inter, hidden, h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
@@ -130,51 +142,55 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
 
 
 @triton.jit
+def _my_expert(ids_ptr, num_pairs, BY_PAIR: tl.constexpr, PAIRS_PAD: tl.constexpr):
+    """The expert this program row serves: its number, or with BY_PAIR the expert of pair program_id(0)
+    when that pair is the expert's first (else -2, which no pair has: the program returns)."""
+    if BY_PAIR:
+        slot = tl.program_id(0)
+        offs = tl.arange(0, PAIRS_PAD)
+        expert = tl.load(ids_ptr + slot).to(tl.int32)
+        ids = tl.load(ids_ptr + offs, mask=offs < slot, other=-1).to(tl.int32)
+        return tl.where(tl.sum((ids == expert).to(tl.int32), 0) > 0, -2, expert)
+    return tl.program_id(0)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr,
     num_pairs, H, I, TOPK, limit, alpha,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_PAIR: tl.constexpr,
+    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BF16: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    expert = tl.program_id(0)
+    expert = _my_expert(ids_ptr, num_pairs, BY_PAIR, PAIRS_PAD)
     mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
     if count == 0:
         return
     offs_n, n_ok, gate_b, gate_s = packed_rows(
-        wb_ptr,
-        ws_ptr,
-        expert,
-        tl.program_id(1) * BLOCK_N,
-        I,
-        stride_be,
-        stride_bn,
-        stride_se,
-        stride_sn,
+        wb_ptr, ws_ptr, expert, tl.program_id(1) * BLOCK_N, I, stride_be, stride_bn, stride_se, stride_sn,
         BLOCK_N,
-    )
+    )  # fmt: skip
     up_b, up_s = gate_b + I * stride_bn, gate_s + I * stride_sn  # up rows I + n: the same columns of h
     if HAS_BIAS:
         b_gate = tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         b_up = tl.load(b_ptr + expert * stride_bias + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
+    h_cols = split_col(offs_n, I, MODE != 0)  # the down kernel reads h's halves contiguously
     for m0 in range(0, count, BLOCK_M):
         m_ok = m0 + tl.arange(0, BLOCK_M) < count
         pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)
-        x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+        x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            a = tl.load(x_rows + k0, mask=m_ok[:, None] & (k0 + offs_k < H)[None, :], other=0.0)
-            acc_gate = dot_wt(
-                a, load_mxfp4_tile(gate_b, gate_s, n_ok, k0, H, BLOCK_K, BF16), acc_gate, F32_DOT
-            )
-            acc_up = dot_wt(a, load_mxfp4_tile(up_b, up_s, n_ok, k0, H, BLOCK_K, BF16), acc_up, F32_DOT)
+            a0, a1 = load_act(x_rows, m_ok, k0, H, BLOCK_K, MODE, False)
+            acc_gate = mxfp4_acc(a0, a1, gate_b, gate_s, n_ok, k0, H, acc_gate, BLOCK_K, BF16, F32_DOT, MODE)
+            acc_up = mxfp4_acc(a0, a1, up_b, up_s, n_ok, k0, H, acc_up, BLOCK_K, BF16, F32_DOT, MODE)
         if HAS_BIAS:
             acc_gate += b_gate[None, :]
             acc_up += b_up[None, :]
         act = activate_tile(acc_gate, acc_up, limit, alpha, ACT)
-        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + h_cols[None, :]
         tl.store(h_rows, act.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -182,36 +198,28 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr,
     num_pairs, I, H, stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
-    HAS_BIAS: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_PAIR: tl.constexpr, MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    expert = tl.program_id(0)
+    expert = _my_expert(ids_ptr, num_pairs, BY_PAIR, PAIRS_PAD)
     mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
     if count == 0:
         return
     offs_n, n_ok, w_b, w_s = packed_rows(
-        wb_ptr,
-        ws_ptr,
-        expert,
-        tl.program_id(1) * BLOCK_N,
-        H,
-        stride_be,
-        stride_bn,
-        stride_se,
-        stride_sn,
+        wb_ptr, ws_ptr, expert, tl.program_id(1) * BLOCK_N, H, stride_be, stride_bn, stride_se, stride_sn,
         BLOCK_N,
-    )
+    )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
     for m0 in range(0, count, BLOCK_M):
         m_ok = m0 + tl.arange(0, BLOCK_M) < count
         pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)
-        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
+        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            a = tl.load(h_rows + k0, mask=m_ok[:, None] & (k0 + offs_k < I)[None, :], other=0.0)
-            acc = dot_wt(a, load_mxfp4_tile(w_b, w_s, n_ok, k0, I, BLOCK_K, BF16), acc, F32_DOT)
+            a0, a1 = load_act(h_rows, m_ok, k0, I, BLOCK_K, MODE, True)
+            acc = mxfp4_acc(a0, a1, w_b, w_s, n_ok, k0, I, acc, BLOCK_K, BF16, F32_DOT, MODE)
         if HAS_BIAS:
             acc += bias[None, :]
         acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]

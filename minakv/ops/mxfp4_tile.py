@@ -28,6 +28,18 @@ Both are exact: every FP4 value times a power of two is a bf16, so the dequantiz
 
 K (the `in` dim) is a multiple of 32 by the format, not of the tile's BK (gpt-oss: 2880 = 90 * 32):
 the tail tile is masked per byte and per group, masked bytes read 0 (the value 0).
+
+The interleave above (join + reshape) costs layout shuffles in registers on every tile. The "split" and
+"fma" modes (MODES) never build it: the low nibbles are the even inputs and the high nibbles the odd
+ones, so with the activations split the same way (even / odd columns)
+
+    A @ W^T = A[:, 0::2] @ W[:, 0::2]^T + A[:, 1::2] @ W[:, 1::2]^T
+
+`load_mxfp4_halves` loads the bytes as [BN, BK/32, 16] (a group's 16 bytes are one 16-byte vector load,
+its mask and its scale are the same for all of them) and returns the two halves [BN, BK/2]. Those decode
+E2M1 without selects: the code's bits e1 e0 m0 put right under fp16's exponent are an fp16 equal to the
+FP4 value times 2^-14 (code 1, 0.5, lands on the fp16 subnormal 2^-15, which a conversion keeps exact),
+and the 2^14 is folded into the scale, 2^(s - 113).
 """
 
 from __future__ import annotations
@@ -39,6 +51,9 @@ import triton.language as tl
 from minakv.ops.moe_groups import ACTIVATIONS
 from minakv.ops.triton_util import check, interpreting
 
+# how the GEMMs consume a packed tile: 0 the interleaved tile and one tl.dot; 1 the even / odd halves and two
+# tl.dot; 2 the halves with fp32 multiply-and-sum (no tensor cores: a dot pads one row to 16)
+MODES = {"interleave": 0, "split": 1, "fma": 2}
 KEYS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
 
 
@@ -149,3 +164,75 @@ def dot_wt(a, w, acc, F32_DOT: tl.constexpr):
     if F32_DOT:  # fp32 activations (or the interpreter): exact fp32 products, not tf32
         return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     return tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+
+
+@triton.jit
+def e2m1_f16(codes):
+    """FP4 E2M1 codes (0..15) -> fp16 equal to the FP4 value times 2^-14 (module docstring), no selects."""
+    c = codes.to(tl.uint16)
+    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+    """W[rows, k0 : k0 + BLOCK_K] dequantized, as its even and odd columns -> two [BN, BLOCK_K / 2] tiles in
+    bf16 or fp32 (0 past K and on masked rows). byte_rows / scale_rows as in `load_mxfp4_tile`."""
+    tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
+    BN: tl.constexpr = byte_rows.shape[0]
+    G: tl.constexpr = BLOCK_K // 32
+    offs_g = k0 // 32 + tl.arange(0, G)
+    g_ok = row_ok[:, None] & (offs_g < K // 32)[None, :]  # [BN, G]: masks whole groups, keeps vector loads
+    ptrs = byte_rows[:, :, None] + offs_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    packed = tl.load(ptrs, mask=g_ok[:, :, None], other=0)
+    s = tl.load(scale_rows + offs_g[None, :], mask=g_ok, other=0).to(tl.uint32) + 14  # 2^(s - 127) * 2^14
+    if BF16:
+        scale = (s << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        lo = e2m1_f16(packed & 0xF).to(tl.bfloat16) * scale[:, :, None]
+        hi = e2m1_f16(packed >> 4).to(tl.bfloat16) * scale[:, :, None]
+    else:
+        scale = (s << 23).to(tl.float32, bitcast=True)
+        lo = e2m1_f16(packed & 0xF).to(tl.float32) * scale[:, :, None]
+        hi = e2m1_f16(packed >> 4).to(tl.float32) * scale[:, :, None]
+    return tl.reshape(lo, (BN, BLOCK_K // 2)), tl.reshape(hi, (BN, BLOCK_K // 2))
+
+
+@triton.jit
+def load_act(a_rows, m_ok, k0, K, BLOCK_K: tl.constexpr, MODE: tl.constexpr, A_SPLIT: tl.constexpr):
+    """Activations A[rows, k0 : k0 + BLOCK_K] for `mxfp4_acc` -> (a, a) in mode 0, else (even, odd columns).
+    a_rows: [BM, 1] row pointers; A_SPLIT: the row is stored [even columns | odd columns] (h, written so by
+    the first kernel), else interleaved as usual (x: read with stride 2, its rows are small and cached)."""
+    if MODE == 0:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        return a, a
+    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = m_ok[:, None] & (offs_j < K // 2)[None, :]
+    if A_SPLIT:
+        even = tl.load(a_rows + offs_j[None, :], mask=mask, other=0.0)
+        odd = tl.load(a_rows + K // 2 + offs_j[None, :], mask=mask, other=0.0)
+    else:
+        even = tl.load(a_rows + 2 * offs_j[None, :], mask=mask, other=0.0)
+        odd = tl.load(a_rows + 2 * offs_j[None, :] + 1, mask=mask, other=0.0)
+    return even, odd
+
+
+@triton.jit
+def mxfp4_acc(a0, a1, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
+              F32_DOT: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+    """acc [BM, BN] + A[:, k0 : k0 + BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T, (a0, a1) from `load_act`."""
+    if MODE == 0:
+        return dot_wt(a0, load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16), acc, F32_DOT)
+    if MODE == 1:
+        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
+        return dot_wt(a1, w1, dot_wt(a0, w0, acc, F32_DOT), F32_DOT)
+    w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, False)
+    prod = a0.to(tl.float32)[:, None, :] * w0[None, :, :] + a1.to(tl.float32)[:, None, :] * w1[None, :, :]
+    return acc + tl.sum(prod, 2)
+
+
+@triton.jit
+def split_col(offs_n, N, SPLIT: tl.constexpr):
+    """Where column n of an [.., N] row goes when stored split ([even columns | odd columns])."""
+    if SPLIT:
+        return (offs_n % 2) * (N // 2) + offs_n // 2
+    return offs_n
