@@ -22,6 +22,10 @@ A program finds its tile's expert by counting the tile_ends <= its tile (E is at
 and out[t] = the plain sum of y over t's k slots, as in the fused path. Programs are numbered tile-major
 (a tile's column blocks run side by side), so a tile's activation rows are read from L2, and an expert's
 consecutive tiles reuse its weights from L2 too.
+
+At thousands of tokens each weight tile is dequantized once per BLOCK_M rows, many times per layer; mode
+"bf16" instead dequantizes all the experts once (`dequantize_mxfp4_bf16`, a bandwidth-bound kernel) into a
+transient bf16 copy (4x the packed bytes: 1.6 GB for a gpt-oss-20b layer) and runs the bf16 grouped GEMM.
 """
 
 from __future__ import annotations
@@ -32,21 +36,34 @@ import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, group_by_expert, my_tile
 from minakv.ops.mxfp4_tile import (
+    MODES,
     dot_dtypes,
-    dot_wt,
-    load_mxfp4_tile,
+    e2m1_f16,
+    load_act,
+    mxfp4_acc,
     packed_rows,
     packed_shapes,
+    split_col,
 )  # fmt: skip
+from minakv.ops.triton_util import check
 
 
 def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                       limit=7.0, alpha=1.702, *, block_m: int = 128, block_n: int = 64, block_k: int = 64,
-                      num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+                      num_warps: int = 8, num_stages: int = 3, mode: str = "interleave") -> torch.Tensor:  # fmt: skip
     """The prefill path: tiles of block_m rows of one expert. The keyword-only knobs are for benchmarks and
     tests (block_k: a multiple of 32). Defaults: the best of bench_mxfp4.py's sweep at 4096 tokens on the
-    H200 (128 rows amortise each dequantized weight tile over more rows: 4.5 ms, 6.9 with 64 x 128)."""
+    H200 (128 rows amortise each dequantized weight tile over more rows: 4.5 ms, 6.9 with 64 x 128).
+    mode: a tile mode of mxfp4_tile.MODES, or "bf16" (module docstring; the block knobs are then unused)."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
+    check(mode in MODES or mode == "bf16", f"unknown mode {mode!r}")
+    if mode == "bf16":
+        from minakv.ops.moe import moe_grouped  # here: moe.py may dispatch to this module
+
+        gate_up = dequantize_mxfp4_bf16(w["gate_up_blocks"], w["gate_up_scales"], x.dtype)
+        down = dequantize_mxfp4_bf16(w["down_blocks"], w["down_scales"], x.dtype)
+        return moe_grouped(x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation,
+                           limit, alpha)  # fmt: skip
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     order, counts, starts, tile_ends, max_tiles = group_by_expert(topk_ids, num_experts, block_m)
@@ -56,6 +73,7 @@ def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias
     gub, gus, db, ds = (w[key] for key in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"))
     meta = {
         "E_PAD": triton.next_power_of_2(num_experts),
+        "MODE": MODES[mode],
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_K": block_k,
@@ -66,7 +84,9 @@ def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias
     }
     plan = (order, counts, starts, tile_ends, num_experts)
 
-    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # rows in sorted order
+    h = torch.empty(
+        num_pairs, inter, dtype=x.dtype, device=x.device
+    )  # sorted rows, split columns unless mode 0
     _gate_up_kernel[(max_tiles * triton.cdiv(inter, block_n),)](
         x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, *plan, h,
         hidden, inter, k, float(limit), float(alpha),
@@ -90,7 +110,7 @@ def _gate_up_kernel(
     x_ptr, wb_ptr, ws_ptr, b_ptr, order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, h_ptr,
     H, I, TOPK, limit, alpha,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     expert, n0, rows, pair, m_ok = my_tile(
@@ -102,14 +122,13 @@ def _gate_up_kernel(
         wb_ptr, ws_ptr, expert, n0, I, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N
     )
     up_b, up_s = gate_b + I * stride_bn, gate_s + I * stride_sn  # up rows I + n: the same columns of h
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        a = tl.load(x_rows + k0, mask=m_ok[:, None] & (k0 + offs_k < H)[None, :], other=0.0)
-        acc_gate = dot_wt(a, load_mxfp4_tile(gate_b, gate_s, n_ok, k0, H, BLOCK_K, BF16), acc_gate, F32_DOT)
-        acc_up = dot_wt(a, load_mxfp4_tile(up_b, up_s, n_ok, k0, H, BLOCK_K, BF16), acc_up, F32_DOT)
+        a0, a1 = load_act(x_rows, m_ok, k0, H, BLOCK_K, MODE, False)
+        acc_gate = mxfp4_acc(a0, a1, gate_b, gate_s, n_ok, k0, H, acc_gate, BLOCK_K, BF16, F32_DOT, MODE)
+        acc_up = mxfp4_acc(a0, a1, up_b, up_s, n_ok, k0, H, acc_up, BLOCK_K, BF16, F32_DOT, MODE)
     if HAS_BIAS:
         acc_gate += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[
             None, :
@@ -118,7 +137,7 @@ def _gate_up_kernel(
             None, :
         ]
     act = activate_tile(acc_gate, acc_up, limit, alpha, ACT)
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + split_col(offs_n, I, MODE != 0)[None, :]
     tl.store(h_rows, act.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -126,7 +145,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, wb_ptr, ws_ptr, b_ptr, order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts,
     weights_ptr, y_ptr, I, H, stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
-    HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     expert, n0, rows, pair, m_ok = my_tile(
@@ -137,14 +156,37 @@ def _down_kernel(
     offs_n, n_ok, w_b, w_s = packed_rows(
         wb_ptr, ws_ptr, expert, n0, H, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N
     )
-    offs_k = tl.arange(0, BLOCK_K)
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        a = tl.load(h_rows + k0, mask=m_ok[:, None] & (k0 + offs_k < I)[None, :], other=0.0)
-        acc = dot_wt(a, load_mxfp4_tile(w_b, w_s, n_ok, k0, I, BLOCK_K, BF16), acc, F32_DOT)
+        a0, a1 = load_act(h_rows, m_ok, k0, I, BLOCK_K, MODE, True)
+        acc = mxfp4_acc(a0, a1, w_b, w_s, n_ok, k0, I, acc, BLOCK_K, BF16, F32_DOT, MODE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
     y_rows = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
     tl.store(y_rows, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def dequantize_mxfp4_bf16(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks u8 [..., G, 16], scales u8 [..., G] -> W [..., G * 32] in dtype, on the device (equal to
+    quant.dequantize_mxfp4: the select-free decode of mxfp4_tile, computed in fp32, then rounded to dtype)."""
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype, device=blocks.device)
+    blocks, scales = blocks.contiguous(), scales.contiguous()
+    BLOCK = 4096  # bytes per program
+    _dequant_kernel[(triton.cdiv(blocks.numel(), BLOCK),)](blocks, scales, out, blocks.numel(), BLOCK=BLOCK)
+    return out
+
+
+@triton.jit
+def _dequant_kernel(b_ptr, s_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_bytes
+    packed = tl.load(b_ptr + offs, mask=ok, other=0)
+    s = tl.load(s_ptr + offs // 16, mask=ok, other=0).to(tl.uint32) + 14  # the 2^14 of e2m1_f16 folded in
+    scale = (s << 23).to(tl.float32, bitcast=True)
+    lo = e2m1_f16(packed & 0xF).to(tl.float32) * scale
+    hi = e2m1_f16(packed >> 4).to(tl.float32) * scale
+    values = tl.reshape(tl.join(lo, hi), (2 * BLOCK,))  # byte j: elements 2j (low nibble), 2j + 1
+    out_offs = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + out_offs, values.to(out_ptr.dtype.element_ty), mask=out_offs < 2 * n_bytes)
