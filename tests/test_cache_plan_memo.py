@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from minakv.cache.keys import page_keys
 from minakv.cache.plan import Plan, plan_request
-from minakv.cache.plan_memo import PlanMemo
+from minakv.cache.plan_memo import ENTRY_BYTES, PlanMemo, own_bytes
 from minakv.cache.program import compile_program
 from minakv.cache.validate import CacheOpError
 
@@ -51,12 +51,14 @@ def test_resumed_plans_equal_fresh_ones(case, page_size: int, generated: int) ->
         assert_same(plan_request(program, ids, memo), plan_request(program, ids), page_size)
 
 
-def agent_round(r: int, keep: int = 2, tool: int = 12) -> tuple[list[int], list[int], dict, list[int]]:
+def agent_round(
+    r: int, keep: int = 2, tool: int = 12, seed: int = 7
+) -> tuple[list[int], list[int], dict, list[int]]:
     """bench/agent_replay.py's kv_drop round r in miniature: tool result j drops tool result j - keep
     and repositions."""
     lengths = [5, 3] + [4, tool] * r
     owners = [i for i, n in enumerate(lengths) for _ in range(n)]
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     ids = rng.integers(0, 500, len(owners)).tolist()
     drop = {str(3 + 2 * j): [3 + 2 * (j - keep)] for j in range(keep, r)}
     return owners, ids, drop, [3 + 2 * j for j in range(keep, r)]
@@ -87,10 +89,28 @@ def test_an_agents_next_round_resumes_at_its_last_cut() -> None:
     assert memo.hits == before
 
 
-def test_the_memo_holds_a_bounded_number_of_entries() -> None:
-    memo = PlanMemo(page_size=4, max_entries=300)
+def held_bytes(memo: PlanMemo) -> int:
+    """Recount from scratch: each distinct set of columns once, at its capacity, plus each snapshot's own."""
+    columns = {id(s.columns): s.columns.capacity for s in memo.snapshots.values()}
+    return ENTRY_BYTES * sum(columns.values()) + sum(own_bytes(s) for s in memo.snapshots.values())
+
+
+def test_the_memo_holds_a_bounded_number_of_bytes() -> None:
+    memo = PlanMemo(page_size=4, max_bytes=40_000)
     for r in range(4, 12):
         owners, ids, drop, reposition = agent_round(r)
         plan_request(compile_program(owners, len(set(owners)), drop, reposition), ids, memo)
-        assert memo.entries <= 300
-        assert memo.entries == sum(s.cost for s in memo.snapshots.values())
+        assert memo.bytes == held_bytes(memo) <= 40_000
+
+
+def test_many_agents_keep_hitting_the_memo() -> None:
+    """Agents interleaving their rounds share nothing, but each agent's snapshots share one set of columns,
+    counted once: at a budget of a few of their histories, every agent's every round resumes."""
+    memo = PlanMemo(page_size=4, max_bytes=4_000_000)
+    for r in range(4, 14):
+        for seed in range(6):
+            owners, ids, drop, reposition = agent_round(r, seed=seed)
+            before = memo.hits
+            plan_request(compile_program(owners, len(set(owners)), drop, reposition), ids, memo)
+            assert memo.hits == before + 1 or r == 4
+    assert memo.bytes == held_bytes(memo)

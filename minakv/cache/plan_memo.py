@@ -45,7 +45,6 @@ class Snapshot:
     segment_start: list[int]
     copies: int
     keys: list[PageKey]  # the keys of the full pages among the first `size` entries
-    cost: int = 0  # entries of memory it keeps alive, counted when stored (PlanMemo.store)
 
 
 def cut_digests(
@@ -64,16 +63,23 @@ def cut_digests(
     return digests
 
 
-class PlanMemo:
-    """The latest snapshots, by cut digest; at most `max_entries` planned entries held in all (72 bytes
-    each, up to twice that with the columns' spare room: ~100 MB at the default; the snapshots of one agent
-    share their arrays, so this overcounts)."""
+ENTRY_BYTES = 72  # one planned entry in the columns: token, position, segment, source, 5-word record
 
-    def __init__(self, page_size: int, max_entries: int = 1_000_000) -> None:
+
+class PlanMemo:
+    """The latest snapshots, by cut digest, within `max_bytes` of memory (LRU).
+
+    An agent's successive snapshots share one set of entry columns (each round appends to it in place), so
+    the columns are counted once, at their capacity, however many snapshots hold them; each snapshot adds
+    its own per-token arrays. Counting the columns per snapshot would make 8 agents of 24 rounds overflow
+    any sane budget and evict exactly the snapshots their next rounds need."""
+
+    def __init__(self, page_size: int, max_bytes: int = 1 << 30) -> None:
         self.page_size = page_size
-        self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.snapshots: OrderedDict[bytes, Snapshot] = OrderedDict()
-        self.entries = 0
+        self.columns: dict[int, list] = {}  # id -> [columns, snapshots holding them, capacity counted]
+        self.bytes = 0
         self.hits = 0
 
     def find(self, digests: list[bytes]) -> Snapshot | None:
@@ -87,13 +93,25 @@ class PlanMemo:
         return None
 
     def store(self, digest: bytes, snap: Snapshot) -> None:
-        """Keep `snap`, dropping the least recently used ones beyond the budget. A snapshot costs the
-        capacity of the entry columns it keeps alive (not only the entries planned so far)."""
-        snap.cost = max(snap.size, snap.columns.capacity)  # fixed now: the columns may grow later
-        if digest in self.snapshots or snap.cost > self.max_entries:
+        """Keep `snap`, dropping the least recently used snapshots while the memo is over its budget."""
+        if digest in self.snapshots:
             return
         self.snapshots[digest] = snap
-        self.entries += snap.cost
-        while self.entries > self.max_entries:
+        held = self.columns.setdefault(id(snap.columns), [snap.columns, 0, 0])
+        held[1] += 1
+        grown = snap.columns.capacity - held[2]  # the columns may have grown since a snapshot counted them
+        held[2] += grown
+        self.bytes += ENTRY_BYTES * grown + own_bytes(snap)
+        while self.bytes > self.max_bytes and self.snapshots:
             _, old = self.snapshots.popitem(last=False)
-            self.entries -= old.cost
+            self.bytes -= own_bytes(old)
+            held = self.columns[id(old.columns)]
+            held[1] -= 1
+            if held[1] == 0:
+                self.bytes -= ENTRY_BYTES * held[2]
+                del self.columns[id(old.columns)]
+
+
+def own_bytes(snap: Snapshot) -> int:
+    """A snapshot's own arrays (the columns are shared and counted apart)."""
+    return snap.current.nbytes + snap.current_pos.nbytes
