@@ -15,7 +15,7 @@ from minakv.ops import mxfp4_moe
 from minakv.ops.moe import route_softmax_topk
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_moe import moe_mxfp4, moe_mxfp4_fused, moe_mxfp4_ref
-from minakv.ops.mxfp4_tile import load_mxfp4_tile
+from minakv.ops.mxfp4_tile import load_mxfp4_halves, load_mxfp4_tile
 from minakv.ops.quant import dequantize_mxfp4, quantize_mxfp4
 
 LIMIT, ALPHA = 1.0, 1.702  # a small limit so the clamps of swiglu_oai bite
@@ -116,6 +116,83 @@ def test_k_not_a_multiple_of_the_block(path: str) -> None:
     assert_matches(PATHS[path](*args, block_n=64, block_k=64), ref)
 
 
+VARIANTS = [  # (path, knobs) beyond the defaults: each tile mode, and the fused kernels' per-pair grid
+    ("fused", {"mode": "split"}),
+    ("fused", {"mode": "fma"}),
+    ("fused", {"mode": "fma", "block_m": 1}),
+    ("fused", {"mode": "split", "slots": "pairs"}),
+    ("fused", {"mode": "interleave", "slots": "pairs"}),
+    ("grouped", {"mode": "split", "block_m": 16}),
+    ("grouped", {"mode": "fma", "block_m": 4}),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("path, knobs", VARIANTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("t", [1, 17])
+def test_variants_match_reference(path: str, knobs: dict, t: int) -> None:
+    """Each variant on the masked edges: H = 96 and I = 160 not multiples of BLOCK_K = 64 nor I of
+    BLOCK_N = 32; at T = 17 experts share pairs (the per-pair grid must serve each expert once)."""
+    args, ref = case("swiglu_oai", t, e=3, h=96, i=160, seed=t)
+    assert_matches(PATHS[path](*args, block_n=32, block_k=64, **knobs), ref)
+
+
+@interpreted
+def test_grouped_bf16_mode() -> None:
+    """Dequantize once (the Triton kernel, equal to dequantize_mxfp4 bit for bit), then the grouped GEMM."""
+    from minakv.ops.mxfp4_grouped import dequantize_mxfp4_bf16
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 5, 7, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(10, 241, (3, 5, 7), dtype=torch.uint8, generator=gen)  # clear of bf16 subnormals
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(
+            dequantize_mxfp4_bf16(blocks, scales, dtype), dequantize_mxfp4(blocks, scales, dtype)
+        )
+    args, ref = case("silu", 5, seed=1)
+    assert_matches(moe_mxfp4_grouped(*args, mode="bf16"), ref)
+
+
+@interpreted
+def test_dequant_halves_are_exact() -> None:
+    """The select-free decode of the split modes: every byte under every scale, even / odd halves (fp32:
+    the interpreter garbles bitcasts to bf16; the GPU test checks both)."""
+    check_halves_exact("cpu", bf16=False)
+
+
+@triton.jit
+def _halves_kernel(b_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BF16: tl.constexpr):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    for k0 in range(0, K, BLOCK_K):
+        even, odd = load_mxfp4_halves(
+            b_ptr + offs_n[:, None] * (K // 2),
+            s_ptr + offs_n[:, None] * (K // 32),
+            n_ok,
+            k0,
+            K,
+            BLOCK_K,
+            BF16,
+        )
+        mask = n_ok[:, None] & (k0 // 2 + offs_j < K // 2)[None, :]
+        out = out_ptr + offs_n[:, None] * K + k0 + 2 * offs_j[None, :]
+        tl.store(out, even.to(tl.float32), mask=mask)
+        tl.store(out + 1, odd.to(tl.float32), mask=mask)
+
+
+def check_halves_exact(device: str, bf16: bool) -> None:
+    rows, groups = 256, 5  # 160 inputs: a tail with BLOCK_K 64
+    blocks = torch.arange(256, dtype=torch.uint8)[:, None, None].expand(rows, groups, 16).contiguous()
+    blocks = blocks.roll(1, dims=1)
+    scales = (torch.arange(rows * groups).reshape(rows, groups) % 256).clamp(10 if bf16 else 0, 240)
+    blocks, scales = blocks.to(device), scales.to(torch.uint8).to(device)
+    out = torch.empty(rows, groups * 32, device=device)
+    _halves_kernel[(triton.cdiv(rows, 32),)](blocks, scales, out, rows, groups * 32, 32, 64, BF16=bf16)
+    assert torch.equal(out.cpu(), dequantize_mxfp4(blocks.cpu(), scales.cpu()))
+
+
 @interpreted
 def test_moe_mxfp4_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU tensors take the dequantize-and-loop reference; with Triton on CPU, few pairs the fused kernels
@@ -154,6 +231,7 @@ def test_shapes_are_checked() -> None:
 @pytest.mark.parametrize("bf16", [False, True])
 def test_dequant_tile_is_exact_gpu(bf16: bool) -> None:
     check_dequant_exact("cuda", bf16)
+    check_halves_exact("cuda", bf16)
 
 
 def real_shape(tokens: int, e: int = 32, h: int = 2880, i: int = 2880, k: int = 4, seed: int = 0):
