@@ -3,6 +3,9 @@
 `build_model(config)` / `load_model(path_or_repo)` return a `CausalLM` (GptOssModel or MiniMaxM2Model):
 `model(input_ids [T], ctx) -> hidden [T, H]`, `model.compute_logits(hidden) -> float32 [T, V]`,
 `model.config`, `model.rope`, `model.layers[i].self_attn.spec` (the layer's `AttentionLayer`).
+
+`parallel=Parallel(rank, tp, ep, group)` (minakv/parallel/) builds or loads this rank's share of a tensor-
+and expert-parallel model: only that share is ever allocated on the device.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from minakv.model.config import ModelConfig
 from minakv.model.gpt_oss import GptOssModel
 from minakv.model.layers import CausalLM, RMSNorm
 from minakv.model.minimax_m2 import MiniMaxM2Model
+from minakv.parallel.group import SINGLE, Parallel
+from minakv.parallel.shard import shard
 
 Model = CausalLM
 MODEL_CLASSES: dict[str, type[CausalLM]] = {"gpt_oss": GptOssModel, "minimax_m2": MiniMaxM2Model}
 
 __all__ = [
     "CausalLM", "GptOssModel", "MiniMaxM2Model", "Model", "ModelConfig",
-    "build_model", "default_device_dtype", "load_model", "make_empty_model",
+    "Parallel", "build_model", "default_device_dtype", "load_model", "make_empty_model", "make_meta_model",
 ]  # fmt: skip
 
 
@@ -42,12 +47,19 @@ def default_device_dtype(
     return device, dtype
 
 
-def make_empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """The model with uninitialised storage in its final dtypes (built on "meta", so no init cost)."""
+def make_meta_model(config: ModelConfig, parallel: Parallel = SINGLE) -> CausalLM:
+    """The model's modules with no storage: its names, shapes and dtypes."""
     if config.arch not in MODEL_CLASSES:
         raise ValueError(f"unsupported architecture {config.arch!r} (minakv runs {', '.join(MODEL_CLASSES)})")
     with torch.device("meta"):
-        model = MODEL_CLASSES[config.arch](config)
+        return MODEL_CLASSES[config.arch](config, parallel)
+
+
+def make_empty_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, parallel: Parallel = SINGLE
+) -> CausalLM:
+    """The model with uninitialised storage in its final dtypes (built on "meta", so no init cost)."""
+    model = make_meta_model(config, parallel)
     model.to_empty(device=device)
     model.tie_weights()
     for p in model.parameters():
@@ -67,35 +79,47 @@ def build_model(
     dtype: torch.dtype | str | None = None,
     seed: int = 0,
     device_rng: bool = False,
+    parallel: Parallel = SINGLE,
 ) -> CausalLM:
     """A model with random weights (normal(0, 0.02); norm weights 1; MXFP4 experts as random codes with
     scale 2^-7) for tests and benchmarks. `device_rng`: draw on the device (fast for real sizes; other
-    numbers than the CPU generator's)."""
+    numbers than the CPU generator's). Under `parallel` each tensor is drawn whole, in the same order, and
+    cut (one at a time), so a rank's weights are exactly its share of the unsharded model's."""
     device, dtype = default_device_dtype(device, dtype)
-    model = make_empty_model(config, device, dtype)
+    model = make_empty_model(config, device, dtype, parallel)
+    full = make_meta_model(config) if parallel.world > 1 else model  # the draws' shapes and order
     gen = torch.Generator(device=device if device_rng else "cpu").manual_seed(seed)
-    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    for p in model.parameters():
-        if id(p) in norms:
-            p.data.fill_(1.0)
+    ours = dict(model.named_parameters())
+    norms = {n for n, m in full.named_modules() if isinstance(m, RMSNorm)}
+    for name, p in full.named_parameters():
+        if name.rsplit(".", 1)[0] in norms:
+            ours[name].data.fill_(1.0)
         else:
-            p.data.copy_(torch.randn(p.shape, generator=gen, device=gen.device) * 0.02)
-    for name, b in model.named_buffers():
+            drawn = torch.randn(p.shape, generator=gen, device=gen.device) * 0.02
+            ours[name].data.copy_(shard(name, drawn, parallel))
+    ours = dict(model.named_buffers())
+    for name, b in full.named_buffers():
         if b.dtype == torch.uint8 and name.endswith("_blocks"):  # MXFP4 codes: any byte is two valid codes
-            b.copy_(torch.randint(0, 256, b.shape, generator=gen, device=gen.device, dtype=torch.uint8))
+            drawn = torch.randint(0, 256, b.shape, generator=gen, device=gen.device, dtype=torch.uint8)
+            ours[name].copy_(shard(name, drawn, parallel))
         elif b.dtype == torch.uint8 and name.endswith("_scales"):  # 2^-7: values of std ~0.02, like the rest
-            b.fill_(120)
+            ours[name].fill_(120)
         elif b.dtype == torch.float8_e4m3fn:  # FP8 codes of std 1, with scales of 0.02 below
-            b.copy_(torch.randn(b.shape, generator=gen, device=gen.device).to(torch.float8_e4m3fn))
+            drawn = torch.randn(b.shape, generator=gen, device=gen.device).to(torch.float8_e4m3fn)
+            ours[name].copy_(shard(name, drawn, parallel))
         elif name.endswith("_scale_inv"):
-            b.fill_(0.02)
+            ours[name].fill_(0.02)
     return model
 
 
 def load_model(
-    model: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None
+    model: str | Path,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    parallel: Parallel = SINGLE,
 ) -> CausalLM:
-    """Load a local Hugging Face directory, a built-in preset name or a hub repo id."""
+    """Load a local Hugging Face directory, a built-in preset name or a hub repo id (this rank's share of
+    it under `parallel`)."""
     from minakv.model.loader import load_model as _load
 
-    return _load(model, device=device, dtype=dtype)
+    return _load(model, device=device, dtype=dtype, parallel=parallel)

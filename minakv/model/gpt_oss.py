@@ -5,6 +5,10 @@ Router: a Linear *with bias*; the top-k logits are softmaxed among themselves. E
 variant, `(up + 1) * gate * sigmoid(alpha * gate)`, with biases on both projections; the down bias is
 part of each expert's output, so it is weighted like the rest. The gate/up rows are stored as halves
 (minakv.ops.moe); the loader de-interleaves the checkpoint's even (gate) / odd (up) layout.
+
+Under expert or tensor parallelism (minakv/parallel/) a rank's `GptOssExperts` holds its block of experts
+and its slice of their intermediate dim; the router stays whole, and the block's output is summed over
+the ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from minakv.model.config import ModelConfig
 from minakv.model.layers import CausalLM
 from minakv.ops.moe import moe, route_softmax_topk
 from minakv.ops.mxfp4_moe import moe_mxfp4
+from minakv.parallel.experts import local_experts
+from minakv.parallel.group import SINGLE, Parallel
+from minakv.parallel.shard import local_config
 
 
 class GptOssExperts(nn.Module):
@@ -58,17 +65,19 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
-        self.top_k = config.experts_per_tok
+        self.top_k, self.num_experts, self.parallel = config.experts_per_tok, config.num_experts, parallel
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=True)
-        self.experts = GptOssExperts(config)
+        self.experts = GptOssExperts(local_config(config, parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_topk(self.router(x), self.top_k)
-        return self.experts(x, weights, ids)
+        first, count = self.parallel.expert_range(self.num_experts)
+        out = local_experts(self.experts, x, weights, ids, first, count, self.num_experts)
+        return self.parallel.all_reduce(out)
 
 
 class GptOssModel(CausalLM):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config, GptOssMoE)
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
+        super().__init__(config, GptOssMoE, parallel)

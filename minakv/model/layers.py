@@ -8,6 +8,10 @@ dense parity context, the walk oracle and the paged engine.
 
 Parameter names mirror the Hugging Face checkpoints without the leading `model.`, so the loader maps
 names with almost no rules.
+
+Under tensor parallelism (`parallel.tp > 1`, minakv/parallel/) a rank's attention holds its share of the
+heads: q/k/v produce only those, o_proj takes only those and its partial output is summed over the ranks.
+MiniMax-M2's QK-norm spans all heads, so its sum of squares is summed over the ranks too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from minakv.model.context import AttentionContext, AttentionLayer
 from minakv.ops.fp8_linear import linear_fp8
 from minakv.ops.norm import rms_norm
 from minakv.ops.rope import Rope
+from minakv.parallel.group import SINGLE, Parallel
+from minakv.parallel.shard import check_layout, local_config
 
 
 class RMSNorm(nn.Module):
@@ -67,10 +73,10 @@ def make_norm(config: ModelConfig, size: int) -> RMSNorm:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, rope: Rope) -> None:
+    def __init__(self, config: ModelConfig, index: int, rope: Rope, parallel: Parallel = SINGLE) -> None:
         super().__init__()
-        c = config
-        self.index, self.rope = index, rope
+        c = local_config(config, parallel)  # this rank's heads
+        self.index, self.rope, self.parallel = index, rope, parallel
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.window = c.layer_windows[index]
         self.scale = c.head_dim**-0.5
@@ -93,19 +99,41 @@ class Attention(nn.Module):
         n = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.qk_norm(q, k)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = ctx.attend(self.spec, q, k, v)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.parallel.attn_all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.parallel.tp == 1:
+            return self.q_norm(q), self.k_norm(k)
+        # The norm is over all heads and a rank holds 1/tp of them: sum the squares over the ranks (q's
+        # and k's in one all-reduce), then scale as rms_norm_ref does.
+        squares = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], dim=-1)
+        squares = self.parallel.attn_all_reduce(squares)
+        tp = self.parallel.tp
+        return scale_rms(q, squares[:, :1] / (tp * q.shape[-1]), self.q_norm), scale_rms(
+            k, squares[:, 1:] / (tp * k.shape[-1]), self.k_norm
+        )
+
+
+def scale_rms(x: torch.Tensor, mean_square: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """RMSNorm of x given its mean square [T, 1] (computed elsewhere): minakv/ops/norm.py's rms_norm_ref."""
+    xf = x.float() * torch.rsqrt(mean_square + norm.eps)
+    if norm.weight_in_fp32:
+        return (norm.weight.float() * xf).to(x.dtype)
+    return norm.weight.to(x.dtype) * xf.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, rope: Rope, mlp: nn.Module) -> None:
+    def __init__(
+        self, config: ModelConfig, index: int, rope: Rope, mlp: nn.Module, parallel: Parallel = SINGLE
+    ) -> None:
         super().__init__()
         self.input_layernorm = make_norm(config, config.hidden_size)
-        self.self_attn = Attention(config, index, rope)
+        self.self_attn = Attention(config, index, rope, parallel)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = mlp
 
@@ -115,16 +143,25 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """`model(input_ids [T], ctx) -> hidden [T, H]` (final norm applied); `compute_logits(hidden)`."""
+    """`model(input_ids [T], ctx) -> hidden [T, H]` (final norm applied); `compute_logits(hidden)`.
+    `parallel`: the rank's share of a tensor/expert-parallel model (minakv/parallel/); the embeddings,
+    norms, routers and lm_head are replicated, so every rank computes the same logits."""
 
-    def __init__(self, config: ModelConfig, make_mlp: Callable[[ModelConfig], nn.Module]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        make_mlp: Callable[[ModelConfig, Parallel], nn.Module],
+        parallel: Parallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.config = config
+        check_layout(config, parallel)
+        self.config, self.parallel = config, parallel
         with torch.device("cpu"):  # the tables are plain tensors, even when modules are built on "meta"
             self.rope = Rope(config.rotary_dim, config.rope_theta, config.rope_scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rope, make_mlp(config)) for i in range(config.num_layers)
+            DecoderLayer(config, i, self.rope, make_mlp(config, parallel), parallel)
+            for i in range(config.num_layers)
         )
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -135,6 +172,11 @@ class CausalLM(nn.Module):
         replaces parameters one module at a time)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def kv_heads(self) -> int:
+        """The kv heads whose K/V this rank stores (all of them unless attention is split)."""
+        return self.config.num_kv_heads // self.parallel.tp
 
     @property
     def attention_layers(self) -> list[AttentionLayer]:

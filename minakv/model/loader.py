@@ -10,6 +10,11 @@ Quantised weights stay in their format (minakv.ops.quant): GPT-OSS's MXFP4 exper
 (`GptOssExperts.packed`), MiniMax-M2's FP8 attention projections and experts with their block scales
 (`Fp8Linear`, `MiniMaxM2Experts.fp8`), for the kernels that dequantise in registers. Every tensor must be used once and every parameter found: a
 missing, unexpected or mis-shaped tensor is an error that names it.
+
+Under tensor / expert parallelism (`parallel`, minakv/parallel/) a rank loads only its share: each tensor is
+read on the host, cut by `minakv.parallel.shard.shard` (bf16, MXFP4 and FP8 alike, in their stored form),
+and only the piece moves to the device. Expert tensors are read only for the rank's experts (a dim-0
+slice of the file for GPT-OSS's fused tensors; MiniMax-M2's other experts are never read).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from minakv.model import default_device_dtype, make_empty_model
+from minakv.model import default_device_dtype, make_empty_model, make_meta_model
 from minakv.model.config import ModelConfig
 from minakv.model.gpt_oss import GptOssExperts
 from minakv.model.layers import CausalLM, Fp8Linear, fp8_resident
 from minakv.model.minimax_m2 import MiniMaxM2Experts
 from minakv.ops.quant import dequantize_fp8_block
+from minakv.parallel.group import SINGLE, Parallel
+from minakv.parallel.shard import shard, shard_experts
 
 IGNORED = re.compile(r"(^|\.)mtp\.|rotary_emb\.inv_freq$")  # MiniMax MTP heads (unused), RoPE caches
 
@@ -58,8 +65,11 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """The tensor as stored (header dtype), checked against `shape` when given."""
+    def get(
+        self, name: str, shape: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """The tensor as stored (header dtype), checked against `shape` when given; `rows`: only
+        [first, first + count) of its dim 0 is read (a rank's experts)."""
         if name not in self.files:
             want = "" if shape is None else f" (expected shape {tuple(shape)})"
             raise CheckpointError(f"checkpoint {self.path} is missing tensor {name!r}{want}")
@@ -68,13 +78,21 @@ class Checkpoint:
             if not file.exists():
                 raise CheckpointError(f"tensor {name!r} is mapped to {file.name}, which does not exist")
             self.handles[file] = safe_open(file, framework="pt")
-        tensor = self.handles[file].get_tensor(name)
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
+        stored = self.handles[file].get_slice(name)
+        if shape is not None and tuple(stored.get_shape()) != tuple(shape):
             raise CheckpointError(
-                f"tensor {name!r}: expected shape {tuple(shape)}, got {tuple(tensor.shape)} ({file.name})"
+                f"tensor {name!r}: expected shape {tuple(shape)}, got {tuple(stored.get_shape())} ({file.name})"
             )
         self.used.add(name)
-        return tensor
+        if rows is None:
+            return self.handles[file].get_tensor(name)
+        return stored[rows[0] : rows[0] + rows[1]]
+
+    def skip(self, name: str) -> None:
+        """A tensor another rank loads: counted as used, never read."""
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint {self.path} is missing tensor {name!r}")
+        self.used.add(name)
 
     def weight(self, name: str, shape: tuple[int, ...], device: torch.device, block: int) -> torch.Tensor:
         """A plain weight, dequantised if it is FP8 with a `<name>_scale_inv` beside it."""
@@ -106,79 +124,117 @@ def deinterleave(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return t.index_select(dim, order)
 
 
-def load_gpt_oss_experts(experts: GptOssExperts, prefix: str, ckpt: Checkpoint, device: torch.device) -> None:
-    e, two_i = experts.gate_up_bias.shape
-    h, i = experts.down_bias.shape[1], two_i // 2
+def staging(device: torch.device, par: Parallel) -> torch.device:
+    """Where a tensor is converted (de-interleaved, dequantised) before it is cut: the device, unless the
+    model is sharded; then the host, so that only the rank's piece ever reaches the device."""
+    return device if par.world == 1 else torch.device("cpu")
+
+
+def load_gpt_oss_experts(
+    experts: GptOssExperts,
+    name: str,
+    ckpt: Checkpoint,
+    device: torch.device,
+    config: ModelConfig,
+    par: Parallel,
+) -> None:
+    e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+    prefix, rows = checkpoint_name(config, name), par.expert_range(e) if par.ep > 1 else None
+    stage = staging(device, par)
     mxfp4 = prefix + ".gate_up_proj_blocks" in ckpt
     if mxfp4 != experts.packed:
         raise CheckpointError(
             f"{prefix}: the config says quant_method mxfp4 = {experts.packed}, the tensors disagree"
         )
+
+    def put(ours: str, tensor: torch.Tensor) -> None:  # this rank's experts, on the host -> its slice
+        getattr(experts, ours).data.copy_(shard_experts(f"{name}.{ours}", tensor, par).to(device))
+
     if mxfp4:  # the bytes stay packed (GptOssExperts); only the gate/up rows are reordered into halves
-        for ours, theirs, rows, cols in (("gate_up", "gate_up_proj", 2 * i, h), ("down", "down_proj", h, i)):
+        for ours, theirs, out, cols in (("gate_up", "gate_up_proj", 2 * i, h), ("down", "down_proj", h, i)):
             if cols % 32:
                 raise CheckpointError(f"MXFP4 {prefix}.{theirs}: input dim {cols} is not a multiple of 32")
-            blocks = ckpt.get(f"{prefix}.{theirs}_blocks", (e, rows, cols // 32, 16)).to(device)
-            scales = ckpt.get(f"{prefix}.{theirs}_scales", (e, rows, cols // 32)).to(device)
+            blocks = ckpt.get(f"{prefix}.{theirs}_blocks", (e, out, cols // 32, 16), rows).to(stage)
+            scales = ckpt.get(f"{prefix}.{theirs}_scales", (e, out, cols // 32), rows).to(stage)
             if ours == "gate_up":
                 blocks, scales = deinterleave(blocks), deinterleave(scales)
-            getattr(experts, f"{ours}_blocks").copy_(blocks)
-            getattr(experts, f"{ours}_scales").copy_(scales)
+            put(f"{ours}_blocks", blocks)
+            put(f"{ours}_scales", scales)
     else:
-        gate_up = ckpt.get(prefix + ".gate_up_proj", (e, h, 2 * i)).to(device)
-        experts.gate_up.data.copy_(deinterleave(gate_up.transpose(1, 2), 1))
-        experts.down.data.copy_(ckpt.get(prefix + ".down_proj", (e, i, h)).to(device).transpose(1, 2))
-    experts.gate_up_bias.data.copy_(deinterleave(ckpt.get(prefix + ".gate_up_proj_bias", (e, 2 * i)), 1))
-    experts.down_bias.data.copy_(ckpt.get(prefix + ".down_proj_bias", (e, h)))
+        gate_up = ckpt.get(prefix + ".gate_up_proj", (e, h, 2 * i), rows).to(stage)
+        put("gate_up", deinterleave(gate_up.transpose(1, 2), 1))
+        put("down", ckpt.get(prefix + ".down_proj", (e, i, h), rows).to(stage).transpose(1, 2))
+    put("gate_up_bias", deinterleave(ckpt.get(prefix + ".gate_up_proj_bias", (e, 2 * i), rows), 1))
+    put("down_bias", ckpt.get(prefix + ".down_proj_bias", (e, h), rows))
 
 
 def load_minimax_experts(
-    experts: MiniMaxM2Experts, prefix: str, ckpt: Checkpoint, device: torch.device, block: int
+    experts: MiniMaxM2Experts,
+    name: str,
+    ckpt: Checkpoint,
+    device: torch.device,
+    config: ModelConfig,
+    block: int,
+    par: Parallel,
 ) -> None:
-    e, two_i, h = experts.gate_up.shape
-    i = two_i // 2
-    if experts.fp8:  # the bytes and block scales stay as stored (gate half's scale rows, then up half's)
-        g = -(-i // 128)
-        for j in range(e):
-            p = f"{prefix}.{j}"
-            for name, rows, into, scales in ((".w1", slice(0, i), experts.gate_up, slice(0, g)),
-                                             (".w3", slice(i, 2 * i), experts.gate_up, slice(g, 2 * g)),
-                                             (".w2", slice(None), experts.down, slice(None))):  # fmt: skip
-                shape = (h, i) if name == ".w2" else (i, h)
-                into[j, rows].copy_(ckpt.get(p + name + ".weight", shape).to(device))
-                scale = experts.gate_up_scale_inv if name != ".w2" else experts.down_scale_inv
-                scale[j, scales].copy_(ckpt.get(p + name + ".weight_scale_inv").to(device))
-        return
+    """One expert at a time: w1 (gate) and w3 (up) stacked into gate_up rows, w2 as down, then the rank's
+    slice; FP8 bytes and block scales stay as stored (gate half's scale rows, then up half's)."""
+    e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+    prefix, (first, count) = checkpoint_name(config, name), par.expert_range(e)
+    names = (".w1.weight", ".w3.weight", ".w2.weight")
     for j in range(e):
         p = f"{prefix}.{j}"
-        experts.gate_up.data[j, :i].copy_(ckpt.weight(p + ".w1.weight", (i, h), device, block))
-        experts.gate_up.data[j, i:].copy_(ckpt.weight(p + ".w3.weight", (i, h), device, block))
-        experts.down.data[j].copy_(ckpt.weight(p + ".w2.weight", (h, i), device, block))
+        if not first <= j < first + count:  # another rank's expert
+            for n in names:
+                ckpt.skip(p + n)
+                if experts.fp8:
+                    ckpt.skip(p + n + "_scale_inv")
+            continue
+        if experts.fp8:
+            w1, w3, w2 = (ckpt.get(p + n, (h, i) if n == ".w2.weight" else (i, h)) for n in names)
+            s1, s3, s2 = (ckpt.get(p + n + "_scale_inv") for n in names)
+            parts = {"gate_up": torch.cat([w1, w3]), "gate_up_scale_inv": torch.cat([s1, s3]),
+                     "down": w2, "down_scale_inv": s2}  # fmt: skip
+        else:
+            w1, w3, w2 = (
+                ckpt.weight(p + n, (h, i) if n == ".w2.weight" else (i, h), staging(device, par), block)
+                for n in names
+            )
+            parts = {"gate_up": torch.cat([w1, w3]), "down": w2}
+        for ours, tensor in parts.items():
+            piece = shard_experts(f"{name}.{ours}", tensor[None], par)[0]
+            getattr(experts, ours)[j - first].copy_(piece.to(device))
 
 
-def load_fp8_linear(module: Fp8Linear, name: str, ckpt: Checkpoint, device: torch.device) -> None:
-    module.weight.copy_(ckpt.get(name + ".weight", tuple(module.weight.shape)).to(device))
-    scale = ckpt.get(name + ".weight_scale_inv", tuple(module.weight_scale_inv.shape))
-    module.weight_scale_inv.copy_(scale.to(device))
+def load_fp8_linear(
+    module: Fp8Linear, name: str, ckpt: Checkpoint, device: torch.device, config: ModelConfig,
+    full: dict[str, tuple[int, ...]], par: Parallel,
+) -> None:  # fmt: skip
+    """`full`: our tensor names -> their unsharded (stored) shapes."""
+    for leaf in ("weight", "weight_scale_inv"):
+        tensor = ckpt.get(f"{checkpoint_name(config, name)}.{leaf}", full[f"{name}.{leaf}"])
+        getattr(module, leaf).copy_(shard(f"{name}.{leaf}", tensor, par).to(device))
 
 
 def load_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device) -> None:
-    config = model.config
+    config, par = model.config, model.parallel
     block = int(((config.quantization or {}).get("weight_block_size") or [128])[0])
     if fp8_resident(config) and block != 128:
         raise CheckpointError(f"FP8 weights need 128x128 scale blocks, the config says {block}")
+    meta = make_meta_model(config) if par.world > 1 else model  # the stored shapes
+    full = {n: tuple(t.shape) for n, t in (*meta.named_parameters(), *meta.named_buffers())}
     for name, module in model.named_modules():
         if isinstance(module, GptOssExperts):
-            load_gpt_oss_experts(module, checkpoint_name(config, name), ckpt, device)
+            load_gpt_oss_experts(module, name, ckpt, device, config, par)
         elif isinstance(module, MiniMaxM2Experts):
-            load_minimax_experts(module, checkpoint_name(config, name), ckpt, device, block)
+            load_minimax_experts(module, name, ckpt, device, config, block, par)
         elif isinstance(module, Fp8Linear):
-            load_fp8_linear(module, checkpoint_name(config, name), ckpt, device)
+            load_fp8_linear(module, name, ckpt, device, config, full, par)
     for name, param in model.named_parameters():  # tied lm_head is listed once, as embed_tokens
         if ".experts." in name:
             continue
-        tensor = ckpt.weight(checkpoint_name(config, name), tuple(param.shape), device, block)
-        param.data.copy_(tensor)
+        tensor = ckpt.weight(checkpoint_name(config, name), full[name], staging(device, par), block)
+        param.data.copy_(shard(name, tensor, par))
     if config.tie_word_embeddings:
         ckpt.used.add("lm_head.weight")  # some tied checkpoints still carry a copy
     extra = ckpt.unused()
@@ -196,14 +252,17 @@ def resolve_path(model: str | Path) -> Path:
 
 
 def load_model(
-    model: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None
+    model: str | Path,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    parallel: Parallel = SINGLE,
 ) -> CausalLM:
     """Load a model directory / preset / hub repo into a CausalLM on `device` in `dtype` (defaults:
-    cuda + bfloat16 when available, else cpu + float32)."""
+    cuda + bfloat16 when available, else cpu + float32); under `parallel`, this rank's share only."""
     path = resolve_path(model)
     config = ModelConfig.from_dir(path)
     device, dtype = default_device_dtype(device, dtype)
-    result = make_empty_model(config, device, dtype)
+    result = make_empty_model(config, device, dtype, parallel)
     with torch.no_grad():
         load_weights(result, Checkpoint(path), device)
     return result

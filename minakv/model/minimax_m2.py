@@ -4,6 +4,7 @@ split, partial RoPE over the first `rotary_dim` dims of each head) plus its MoE 
 Router: a Linear without bias, sigmoid scores; `e_score_correction_bias` only decides which experts are
 chosen; the weights are the chosen experts' unbiased scores renormalised to sum to 1. Experts: SiLU-gated
 MLP, w1 = gate, w3 = up, w2 = down (stored fused as gate_up halves [E, 2I, H] and down [E, H, I]).
+Under expert or tensor parallelism (minakv/parallel/) the experts are the rank's share, as in gpt_oss.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from minakv.model.layers import CausalLM, fp8_resident
 from minakv.ops.fp8_moe import moe_fp8
 from minakv.ops.fp8_tile import KEYS
 from minakv.ops.moe import moe, route_sigmoid_bias
+from minakv.parallel.experts import local_experts
+from minakv.parallel.group import SINGLE, Parallel
+from minakv.parallel.shard import local_config
 
 
 class MiniMaxM2Experts(nn.Module):
@@ -47,18 +51,20 @@ class MiniMaxM2Experts(nn.Module):
 
 
 class MiniMaxM2MoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
-        self.top_k = config.experts_per_tok
+        self.top_k, self.num_experts, self.parallel = config.experts_per_tok, config.num_experts, parallel
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))  # kept in fp32
-        self.experts = MiniMaxM2Experts(config)
+        self.experts = MiniMaxM2Experts(local_config(config, parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_sigmoid_bias(self.gate(x), self.e_score_correction_bias, self.top_k)
-        return self.experts(x, weights, ids)
+        first, count = self.parallel.expert_range(self.num_experts)
+        out = local_experts(self.experts, x, weights, ids, first, count, self.num_experts)
+        return self.parallel.all_reduce(out)
 
 
 class MiniMaxM2Model(CausalLM):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config, MiniMaxM2MoE)
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
+        super().__init__(config, MiniMaxM2MoE, parallel)

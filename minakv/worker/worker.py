@@ -43,8 +43,9 @@ class StepResult:
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
+    """On this rank: under tensor parallelism it stores only its kv heads (`model.kv_heads`)."""
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=dtype).element_size()
+    return 2 * c.num_layers * model.kv_heads * c.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class Worker:
@@ -63,7 +64,7 @@ class Worker:
         device = next(model.parameters()).device
         self.device = device
         self.kv_dtype = kv_dtype or model.embed_tokens.weight.dtype
-        shape = (c.num_layers, num_slots + 1, c.num_kv_heads, c.head_dim)  # + the scratch slot
+        shape = (c.num_layers, num_slots + 1, model.kv_heads, c.head_dim)  # + the scratch slot; rank's heads
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.table = KeyTable(max_rows, max_keys, device)
