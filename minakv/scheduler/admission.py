@@ -42,28 +42,31 @@ def admission(r: Request, kv: KVCache) -> Admission:
         if m is not None:
             pages[p] = m
     have_page = np.asarray(pages, dtype=np.int64) >= 0
-    have = have_page[np.arange(plan.size) // ps]
+    have = np.repeat(have_page, ps)[: plan.size]
     todo, read = closure(plan, have)
     hits = int((have & (plan.source < 0) & (plan.token < r.num_prompt)).sum())
     # a cached page nobody reads (an old stage, a dropped message) is not held: it stays a hole here
-    unread = have_page & ~np.bincount(np.arange(plan.size) // ps, weights=read, minlength=num_pages).astype(
-        bool
-    )
-    retired = []
+    unread = have_page & ~per_page(read, num_pages, ps)
+    retired = [pages[p] for p in np.nonzero(unread)[0].tolist()]
     for p in np.nonzero(unread)[0].tolist():
-        retired.append(pages[p])
         pages[p] = -1
     have_page &= ~unread
-    have &= have_page[np.arange(plan.size) // ps]
+    have &= np.repeat(have_page, ps)[: plan.size]
     computed = np.zeros(plan.size, dtype=bool)
     computed[todo] = True
     needs = np.zeros(num_pages, dtype=bool)
     needs[todo // ps] = True
-    incomplete = np.zeros(num_pages, dtype=bool)
-    incomplete[np.nonzero(~have & ~computed)[0] // ps] = True  # (a mask, not np.unique: no sort)
+    incomplete = per_page(~have & ~computed, num_pages, ps)
     matched = [p for p in pages if p >= 0]
     missing = np.nonzero(needs & ~have_page)[0].tolist()
     return Admission(pages, matched, retired, missing, todo, set(np.nonzero(incomplete)[0].tolist()), hits)
+
+
+def per_page(flags: np.ndarray, num_pages: int, page_size: int) -> np.ndarray:
+    """Whether any entry of each page has the flag (entries past the plan count as unflagged)."""
+    padded = np.zeros(num_pages * page_size, dtype=bool)
+    padded[: len(flags)] = flags
+    return padded.reshape(num_pages, page_size).any(1)
 
 
 def publishable(r: Request, page_size: int) -> tuple[dict[int, PageKey], list[int]]:
@@ -75,10 +78,14 @@ def publishable(r: Request, page_size: int) -> tuple[dict[int, PageKey], list[in
     resolved = int(r.todo[r.cursor]) if r.cursor < len(r.todo) else r.num_entries
     known = sum(1 for t in r.decode_tokens if t < r.num_tokens)  # decode entries whose token is back
     done = min(min(resolved, plan.size + known) // ps, len(r.pages))  # pages before this are resolved
-    live = set(np.unique(np.asarray(r.decode_keys, dtype=np.int64) // ps).tolist())
-    held = np.nonzero(np.asarray(r.pages, dtype=np.int64) >= 0)[0].tolist()
-    fresh = set(r.fresh)
-    dead_cached = [r.pages[p] for p in held if p not in fresh and p not in live]
+    live_pages = np.unique(np.asarray(r.decode_keys, dtype=np.int64) // ps)
+    live = set(live_pages.tolist())
+    # cached pages (held, not r's own) that no live key reads: numpy, a long history has many pages
+    pages = np.asarray(r.pages, dtype=np.int64)
+    dead = pages >= 0
+    dead[r.fresh] = False
+    dead[live_pages[live_pages < len(pages)]] = False
+    dead_cached = pages[dead].tolist()
     own = [p for p in r.fresh if p < done and p not in r.incomplete]
     if not own:
         return {}, dead_cached
