@@ -1,0 +1,225 @@
+"""Tensor-parallel attention and expert-parallel MoE (minakv/parallel/) against the single-process model.
+
+Two ranks are spawned once (torch.multiprocessing + gloo on CPU, the code NCCL runs on GPUs). For every
+case each rank loads its share of a tiny preset (HF-format checkpoints built on the fly) and computes
+(1) the logits of a prefill and three greedy decode steps through a dense context, and (2) a batch of
+drop/reposition programs through its own `Engine` over the sharded model (the real `Worker`: key table,
+paged KV, chunked prefill). Every rank's scheduler makes the same batches, so the ranks meet at the
+same collectives. This process is the reference: the unsharded model, its Engine, and the walk oracle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers.programs import HISTORY, assert_matches_oracle
+
+from minakv import Engine, SamplingParams
+from minakv.model import ModelConfig, build_model, load_model
+from minakv.parallel import SINGLE, Parallel, ParallelError
+from minakv.parallel.experts import local_experts
+from minakv.parallel.shard import shard
+from minakv.presets import resolve_model
+from minakv.reference.dense import DenseContext
+
+WORLD = 2
+GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+ENGINE = {"page_size": 4, "max_num_batched_tokens": 16, "kv_cache_tokens": 512}
+PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 11, 64, 128, 2]
+# MiniMax-M2 in FP8 with dims whose splits fall on 128x128 scale blocks (the tiny preset's do not):
+# dummy weights, drawn whole and cut
+FP8 = {
+    "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 512,
+    "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 128, "rotary_dim": 64, "intermediate_size": 256, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+}  # fmt: skip
+CASES = {  # name -> (preset or "fp8-dummy", tp, ep, run the engine)
+    "gpt-oss-tp2": ("tiny-gpt-oss", 2, 1, True),
+    "gpt-oss-ep2": ("tiny-gpt-oss", 1, 2, True),
+    "gpt-oss-tp2-ep2": ("tiny-gpt-oss", 2, 2, True),
+    "minimax-tp2": ("tiny-minimax-m2", 2, 1, True),
+    "minimax-ep2": ("tiny-minimax-m2", 1, 2, True),
+    "minimax-tp2-ep2": ("tiny-minimax-m2", 2, 2, True),
+    "gpt-oss-mxfp4-tp2": ("tiny-gpt-oss-mxfp4", 2, 1, False),
+    "gpt-oss-mxfp4-ep2": ("tiny-gpt-oss-mxfp4", 1, 2, False),
+    "minimax-fp8-ep2": ("tiny-minimax-m2-fp8", 1, 2, False),
+    "minimax-fp8-dummy-tp2": ("fp8-dummy", 2, 1, False),
+}
+
+
+def make(model: str, parallel: Parallel = SINGLE):
+    if model == "fp8-dummy":
+        return build_model(ModelConfig.from_hf(FP8), "cpu", torch.float32, parallel=parallel)
+    return load_model(resolve_model(model), device="cpu", dtype=torch.float32, parallel=parallel)
+
+
+def requests() -> list:
+    others = [[9, 8, 7, 6, 5, 4, 3], list(range(40, 61))]
+    return [others[0], *({"message_tokens": s, "cache": c} for s, c in HISTORY), others[1]]
+
+
+@torch.inference_mode()
+def forward_logits(model) -> torch.Tensor:
+    """A prefill of PROMPT, then three greedy decode steps: the logits of every step's last token."""
+    ctx, ids, rows = DenseContext(), torch.tensor(PROMPT), []
+    for _ in range(4):
+        ctx.advance(ids.numel())
+        logits = model.compute_logits(model(ids, ctx))
+        rows.append(logits)
+        ids = logits[-1:].argmax(-1)
+    return torch.cat(rows)
+
+
+def rank_main(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    results = {}
+    for name, (model, tp, ep, engine) in CASES.items():
+        sharded = make(model, Parallel(rank, tp, ep))
+        result = {"logits": forward_logits(sharded), "kv_heads": sharded.kv_heads}
+        if engine:
+            e = Engine(sharded, **ENGINE)
+            result["outputs"] = e.generate(requests(), GREEDY)
+            result["again"] = e.generate(requests()[1:2], GREEDY)[0]  # from the cache this time
+            result["kv_shape"] = tuple(e.worker.k_cache.shape)
+            e.check()
+        results[name] = result
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Every case's results on each rank (spawned once for the module)."""
+    for preset in {m for m, *_ in CASES.values() if m != "fp8-dummy"}:
+        resolve_model(preset)  # build the checkpoints here, once, before the ranks read them
+    tmp = tmp_path_factory.mktemp("parallel")
+    mp.spawn(rank_main, args=(f"file://{tmp / 'store'}", str(tmp)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+_full: dict[str, torch.nn.Module] = {}
+
+
+def full(model: str):
+    if model not in _full:
+        _full[model] = make(model)
+    return _full[model]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_forward_equals_the_single_process_model(ranks, case):
+    model, tp, *_ = CASES[case]
+    ref = forward_logits(full(model))
+    for r in range(WORLD):
+        got = ranks[r][case]["logits"]
+        assert got.shape == ref.shape
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), (r, float((got - ref).abs().max()))
+        assert ranks[r][case]["kv_heads"] == full(model).config.num_kv_heads // tp
+
+
+@pytest.mark.parametrize("case", [c for c, (*_, engine) in CASES.items() if engine])
+def test_sharded_engine_matches_the_single_process_engine_and_the_walk(ranks, case):
+    model, tp, *_ = CASES[case]
+    reference = full(model)
+    ref = Engine(reference, **ENGINE)
+    expected = ref.generate(requests(), GREEDY)
+    c = reference.config
+    assert ranks[0][case]["kv_shape"][2:] == (c.num_kv_heads // tp, c.head_dim)  # only its kv heads
+    for r in range(WORLD):  # every rank samples the same tokens (the logits are replicated)
+        outs = ranks[r][case]["outputs"]
+        for got, want in zip(outs, expected):
+            assert got.token_ids == want.token_ids
+            assert [x.logprob for x in got.logprobs] == pytest.approx(
+                [x.logprob for x in want.logprobs], abs=1e-4
+            )
+    for (segments, cache), out in zip(HISTORY, ranks[0][case]["outputs"][1:]):
+        assert_matches_oracle(reference, segments, cache, out, tol=1e-4)
+    assert ranks[0][case]["again"].token_ids == expected[1].token_ids
+    assert ranks[0][case]["again"].usage.cached_tokens > 0
+
+
+# ----- single-process checks of the pieces -----
+
+
+def test_the_expert_shares_sum_to_the_whole_moe() -> None:
+    """Each rank's `local_experts` (compact and masked) on its cut of the weights, summed over ranks."""
+    from minakv.ops.moe import moe, route_softmax_topk
+
+    g = torch.Generator().manual_seed(0)
+    e, h, i, t = 6, 16, 8, 11
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    gate_up_bias, down_bias = torch.randn(e, 2 * i, generator=g), torch.randn(e, h, generator=g)
+    x = torch.randn(t, h, generator=g)
+    weights, ids = route_softmax_topk(torch.randn(t, e, generator=g), 2)
+    args = {"activation": "swiglu_oai"}
+    whole = moe(x, gate_up, down, weights, ids, gate_up_bias, down_bias, **args)
+    for tp, ep in ((1, 2), (2, 1), (2, 2), (1, 3), (4, 2), (4, 1)):
+        for compact in (True, False):
+            total = torch.zeros_like(x)
+            for rank in range(max(tp, ep)):
+                par = Parallel(rank, tp, ep)
+                w = {n: shard(f"layers.0.mlp.experts.{n}", v, par)
+                     for n, v in (("gate_up", gate_up), ("down", down), ("gate_up_bias", gate_up_bias),
+                                  ("down_bias", down_bias))}  # fmt: skip
+                first, count = par.expert_range(e)
+
+                def experts(x, wt, ids, w=w):
+                    return moe(x, w["gate_up"], w["down"], wt, ids, w["gate_up_bias"], w["down_bias"], **args)
+
+                total += local_experts(experts, x, weights, ids, first, count, e, compact=compact)
+            assert torch.allclose(total, whole, atol=1e-4), (tp, ep, compact)
+
+
+def test_sharded_dummy_weights_are_cuts_of_the_unsharded_ones() -> None:
+    whole = make("fp8-dummy")
+    ref = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
+    for rank in range(WORLD):
+        par = Parallel(rank, 2, 2)
+        part = build_model(ModelConfig.from_hf(FP8), "cpu", torch.float32, parallel=par)
+        for name, t in (*part.named_parameters(), *part.named_buffers()):
+            want = shard(name, ref[name], par)
+            assert t.shape == want.shape and torch.equal(t.float(), want.float()), name
+        assert part.layers[0].mlp.experts.gate_up.shape == (2, 512, 256)  # its 2 experts, whole
+        assert part.layers[0].self_attn.k_proj.weight.shape == (128, 256)  # its kv head
+        assert bool((part.layers[0].self_attn.o_proj.weight_scale_inv == 0.02).all())
+
+
+def test_layouts_that_do_not_cut_are_refused() -> None:
+    with pytest.raises(ParallelError, match="attention is split over all"):
+        Parallel(0, tp=2, ep=4)
+    with pytest.raises(ParallelError, match="outside"):
+        Parallel(2, tp=2)
+    with pytest.raises(ParallelError, match="kv heads"):  # the tiny models have 2 kv heads
+        load_model(resolve_model("tiny-gpt-oss"), "cpu", torch.float32, parallel=Parallel(0, tp=4, ep=4))
+    with pytest.raises(ParallelError, match="FP8 k/v projection rows .* blocks of 128"):
+        load_model(resolve_model("tiny-minimax-m2-fp8"), "cpu", torch.float32, parallel=Parallel(0, tp=2))
+    config = ModelConfig.from_hf({**FP8, "intermediate_size": 192})
+    with pytest.raises(ParallelError, match="FP8 expert intermediate size"):
+        build_model(config, "cpu", torch.float32, parallel=Parallel(0, tp=2))
+    build_model(config, "cpu", torch.float32, parallel=Parallel(0, tp=2, ep=2))  # whole experts: fine
+
+
+@pytest.mark.slow
+def test_four_expert_ranks(tmp_path) -> None:
+    """EP over 4 ranks (2 experts each on the tiny GPT-OSS), attention replicated."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_ep4_main, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=4, join=True)
+    ref = forward_logits(full("tiny-gpt-oss"))
+    for r in range(4):
+        assert torch.allclose(torch.load(out / f"{r}.pt"), ref, rtol=1e-4, atol=1e-4)
+
+
+def _ep4_main(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    model = make("tiny-gpt-oss", Parallel(rank, 1, 4))
+    torch.save(forward_logits(model), Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
