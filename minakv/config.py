@@ -26,9 +26,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode-only steps (CUDA only)
     overlap: bool = True  # prepare step N + 1 on the host while the device runs step N (same results)
     memory_fraction: float = 0.85  # of free accelerator memory (or a share of RAM on cpu) for the KV pool
-    # None: the worker runs in the engine's process. A device list (e.g. ["cpu"], ["cuda:0"]): the model and
-    # its KV run in a worker process the engine starts and supervises (minakv/worker/process.py). Separate
-    # prefill and decode workers are not built yet: the two lists must name the same one device.
+    # None: the worker runs in the engine's process. One list (e.g. prefill_devices=["cpu"] or ["cuda:0"]): the
+    # model and its KV run in one worker process the engine starts and supervises (minakv/worker/process.py).
+    # Both lists: a prefill worker process and a decode worker process (minakv/worker/disagg.py, docs/workers.md),
+    # one device each, the same device allowed; N:M lists are not built yet.
     prefill_devices: list[str] | None = None
     decode_devices: list[str] | None = None
 
@@ -43,13 +44,22 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must hold at least one page, got {self.kv_cache_tokens!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.prefill_devices is not None or self.decode_devices is not None:
-            prefill, decode = (
-                self.prefill_devices or self.decode_devices,
-                self.decode_devices or self.prefill_devices,
-            )
-            if list(prefill) != list(decode) or len(prefill) != 1:
+        for name in ("prefill_devices", "decode_devices"):
+            devices = getattr(self, name)
+            if devices is not None and len(devices) != 1:
                 raise ValueError(
-                    "prefill_devices and decode_devices must name the same one device for now (one worker "
-                    f"process does both; separate workers are not built yet), got {prefill!r} and {decode!r}"
+                    f"{name} must name exactly one device for now (prefill/decode disaggregation is built "
+                    f"1:1; N:M worker pools are not), got {devices!r}"
                 )
+        if self.disaggregated:
+            kinds = {d.split(":")[0] for d in [*self.prefill_devices, *self.decode_devices]}
+            if len(kinds) != 1:  # one process group has one backend: gloo for CPU tensors, NCCL for CUDA
+                raise ValueError(
+                    "prefill_devices and decode_devices must be on the same one device type (all 'cpu' or all "
+                    f"'cuda'), got {self.prefill_devices!r} and {self.decode_devices!r}"
+                )
+
+    @property
+    def disaggregated(self) -> bool:
+        """Separate prefill and decode worker processes (both device lists given)."""
+        return bool(self.prefill_devices) and bool(self.decode_devices)

@@ -30,17 +30,18 @@ from minakv.outputs import RequestOutput
 from minakv.params import SamplingParams
 from minakv.presets.real import build_dummy, dummy_tokenizer
 from minakv.prompt import make_request
-from minakv.scheduler.request import Request
+from minakv.scheduler.request import Request, Unavailable
 from minakv.scheduler.scheduler import Scheduler
 from minakv.text.tokenizer import Tokenizer
 from minakv.worker.batch import ForwardBatch
+from minakv.worker.disagg import DisaggWorkers
 from minakv.worker.process import WorkerDied, WorkerProcess
 from minakv.worker.worker import Launched, Worker, kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["CacheOpError", "Engine", "Overloaded"]
+__all__ = ["CacheOpError", "Engine", "Overloaded", "Unavailable", "WorkerDied"]
 
 
 class Overloaded(RuntimeError):
@@ -109,12 +110,19 @@ class Engine:
             model=str(model) if isinstance(model, (str, Path)) else "custom", **kwargs
         )
         config.check()
-        if config.prefill_devices or config.decode_devices:  # the model and its KV live in a worker process
+        on_allocate = None
+        if config.prefill_devices or config.decode_devices:  # the model and its KV live in worker processes
             if not isinstance(model, (str, Path)):
                 raise ValueError(
                     "a worker process loads its model by name: pass a preset, directory or hub id"
                 )
-            self.worker = WorkerProcess(config)  # starts the child and waits until its model is loaded
+            # start the children and wait until their models are loaded: one worker, or a prefill/decode pair
+            # whose transfers follow the pages the scheduler hands out (docs/workers.md)
+            if config.disaggregated:
+                self.worker = DisaggWorkers(config)
+                on_allocate = self.worker.fresh
+            else:
+                self.worker = WorkerProcess(config)
             self.model, self.model_name = self.worker.model, str(model)
             self.tokenizer = tokenizer or load_tokenizer(config, self.model.config.arch)
             num_pages, per_token = self.worker.num_pages, self.worker.kv_bytes_per_token
@@ -126,7 +134,9 @@ class Engine:
                 self.model, self.model_name = load_model_by_name(config), str(model)
                 self.tokenizer = tokenizer or load_tokenizer(config, self.model.config.arch)
             self.worker, num_pages, per_token, self.max_model_len = make_worker(config, self.model)
-        self.scheduler = Scheduler(config, num_pages, per_token, self.tokenizer, self.max_model_len)
+        self.scheduler = Scheduler(
+            config, num_pages, per_token, self.tokenizer, self.max_model_len, on_allocate=on_allocate
+        )
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -257,7 +267,7 @@ class Engine:
                 self.scheduler.add(r)
             ended = self.scheduler.fail_all("the engine shut down") if self.scheduler.has_work() else []
         self._deliver(ended)
-        if isinstance(self.worker, WorkerProcess):
+        if isinstance(self.worker, (WorkerProcess, DisaggWorkers)):
             self.worker.close()
 
     def __enter__(self) -> Self:
@@ -273,7 +283,10 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         with self._step_lock:
-            return self.scheduler.stats()
+            stats = self.scheduler.stats()
+            if isinstance(self.worker, DisaggWorkers):  # pages and bytes sent between the two workers
+                stats.update(self.worker.stats())
+            return stats
 
     def check(self) -> None:
         """Assert the pool's accounting is exact (used by tests after every scenario)."""
@@ -353,12 +366,12 @@ class Engine:
         """The worker process died, and every KV page with it: end every request the scheduler holds
         (reason "error"; their pages of the lost steps publish nothing) and forget every cached page, so the
         accounting stays exact and nothing reads KV that is gone. Returns the ended requests."""
-        action = "shutting down" if self._closing else "restarting the worker"
+        action = "shutting down" if self._closing else self.worker.restart_note
         logger.error(
             "%s: ending %d requests, clearing the KV cache, %s", exc, len(self.scheduler.running), action
         )
         self._inflight = None
-        ended = self.scheduler.fail_all(f"{exc}; the engine is {action}", publish=False)
+        ended = self.scheduler.fail_all(f"{exc}; the engine is {action}", publish=False, lost=True)
         self.scheduler.kv.clear()
         return ended
 
@@ -368,9 +381,11 @@ class Engine:
             return
         try:  # (not under the step lock: stats() must answer meanwhile; only this thread uses the worker)
             self.worker.restart()
-            logger.warning("worker process restarted (pid %s); the KV cache starts empty", self.worker.pid)
+            logger.warning(
+                "worker processes restarted (pids %s); the KV cache starts empty", self.worker.pids
+            )
         except Exception:
-            logger.exception("the worker process could not be restarted: the engine takes no new requests")
+            logger.exception("the worker processes could not be restarted: the engine takes no new requests")
             with self._lock:
                 self._closing = True
 

@@ -32,6 +32,14 @@ from minakv.params import SamplingParams
 _ids = itertools.count()
 
 
+@dataclass
+class Unavailable(RequestOutput):
+    """The last output of a request that a worker process's death ended (finish reason "error"): the engine
+    is restarting its workers or shutting down, `error` says which. The server answers 503."""
+
+    error: str = ""
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -72,6 +80,7 @@ class Request:
     pending: int = 0  # sampled tokens still on the device (steps launched but not yet applied)
     sample_row: int = -1  # the sample row of r's latest pending token in its batch
     error: str | None = None
+    lost: bool = False  # ended because a worker process died (its output is then `Unavailable`)
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     text: str = ""
@@ -124,4 +133,8 @@ class Request:
             ids, text = list(self.output_ids), self.text
             lps = list(self.logprobs) if self.params.logprobs is not None else None
         usage = Usage(**vars(self.usage))
+        if self.lost and self.finish_reason == "error":
+            return Unavailable(
+                self.request_id, ids, text, self.finish_reason, usage, lps, error=self.error or ""
+            )
         return RequestOutput(self.request_id, ids, text, self.finish_reason, usage, lps)

@@ -16,6 +16,7 @@ is recomputed later, usually from those very pages).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,9 +34,21 @@ from minakv.worker.worker import StepResult
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, num_pages: int, kv_bytes_per_entry: int, tokenizer, max_model_len: int
+        self,
+        config: EngineConfig,
+        num_pages: int,
+        kv_bytes_per_entry: int,
+        tokenizer,
+        max_model_len: int,
+        on_allocate: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_allocate(page)`: told of every page handed out (the prefill/decode workers' coherence table:
+        a fresh page holds nothing either side must send, minakv/worker/coherence.py)."""
         self.config = config
+        self.on_allocate = on_allocate
+        # separate prefill and decode workers: a penalised request's first decode step refills its penalty row
+        # on the decode worker, so it waits for its first token (sampled on the prefill worker) to be known
+        self.split = config.disaggregated
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.page_size = config.page_size
@@ -70,13 +83,14 @@ class Scheduler:
                 return self._finish(r, "abort")
         return None
 
-    def fail_all(self, message: str, publish: bool = True) -> list[Request]:
+    def fail_all(self, message: str, publish: bool = True, lost: bool = False) -> list[Request]:
         """End every request (reason "error") so no caller waits forever; after a step that raised, pass
-        publish=False: pages of that step were never computed."""
+        publish=False: pages of that step were never computed. `lost`: a worker died (their last output is
+        then `Unavailable`: the server answers 503)."""
         self.counters["errors"] += 1
         failed = [*self.waiting, *self.running]
         for r in failed:
-            r.error = message
+            r.error, r.lost = message, lost
             self._finish(r, "error", publish)
         return failed
 
@@ -152,6 +166,8 @@ class Scheduler:
         """May r (its prompt computed) decode in the next step? Not if it ends by length once its pending
         tokens arrive; not while a token is pending if it has a grammar: the tokens it may sample next
         depend on that token, so a constrained request decodes every other step under overlap."""
+        if self.split and r.row < 0 and r.pending > 0 and r.params.penalized:
+            return False  # its first decode refills the decode worker's penalty row: wait for the token
         return not self._done_by_length(r) and not (r.grammar is not None and r.pending > 0)
 
     def _done_by_length(self, r: Request) -> bool:
@@ -176,6 +192,8 @@ class Scheduler:
             keys = np.asarray(r.decode_keys, dtype=np.int64)  # planned entries only, right after planning
             batch.write_row(r.row, 0, self._slots(r, keys), r.plan.position[keys])
             r.row_len = len(keys)
+            if self.split and r.penalty_row >= 0:  # counted on the prefill worker so far (see __init__)
+                batch.penalty_resets.append((r.penalty_row, r.prompt_ids, list(r.output_ids)))
         r.decode_keys.append(e)
         batch.write_row(r.row, r.row_len, [slot], [r.next_pos])
         r.row_len += 1
@@ -265,6 +283,8 @@ class Scheduler:
             else:
                 r.fresh.append(r.missing.pop())
                 r.pages[r.fresh[-1]] = page
+                if self.on_allocate is not None:
+                    self.on_allocate(page)
 
     def _admit(self) -> list[Request]:
         failed = []

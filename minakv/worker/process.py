@@ -35,6 +35,7 @@ import queue
 import socket
 import traceback
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
@@ -44,11 +45,13 @@ import torch.multiprocessing as mp
 from minakv.config import EngineConfig
 from minakv.model import ModelConfig
 from minakv.worker.batch import ForwardBatch
+from minakv.worker.transfer import Part, Peer, TransferError
 from minakv.worker.worker import StepResult
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a waiting parent checks that the child is alive
+GROUP_TIMEOUT = timedelta(seconds=60)  # a send/recv whose peer hangs (a dead one is torn down at once)
 
 
 class WorkerDied(RuntimeError):
@@ -92,34 +95,34 @@ class Handle:
 
 
 class WorkerProcess:
+    """One worker process doing prefill and decode (`prefill_devices` or `decode_devices` alone)."""
+
+    restart_note = "restarting the worker"  # what the engine says it does after a death
+
     def __init__(self, config: EngineConfig) -> None:
-        """Start the child on `config.prefill_devices[0]` (today prefill and decode share one device) and wait
-        until it has loaded the model; raises what the child raised (a bad model name: ValueError)."""
+        """Start the child on its device and wait until it has loaded the model; raises what the child
+        raised (a bad model name: ValueError)."""
         self.config = config
         self.device = (config.prefill_devices or config.decode_devices or ["cpu"])[0]
         self.graphs = None  # the CUDA graphs (and the penalty tables) live in the child
         self.penalties = None
-        self.process: mp.Process | None = None
+        self.child: Child | None = None
         self._start(config.kv_cache_tokens)
 
     # ----- the worker's interface -----
     def launch(self, batch: ForwardBatch) -> Handle:
-        if self.process is None or not self.process.is_alive():
+        if self.child is None or not self.child.alive():
             raise self._died()
         self._seq += 1
-        self._batches.put((self._seq, batch))
+        self.child.send((self._seq, replace(batch, scheduled=[])))  # (the requests stay here)
         return Handle(self._seq)
 
     def collect(self, handle: Handle) -> StepResult:
         """Wait for the step's result. Results of earlier steps the engine dropped (after a failed step) are
         skipped. A step that raised in the child raises here, as a step that raises in process does."""
-        while True:
-            seq, reply = self._receive()
-            if seq < handle.seq:
-                continue
-            if isinstance(reply, Failed):
-                raise RuntimeError(f"worker step failed: {reply.kind}: {reply.message}\n{reply.trace}")  # noqa: TRY004
-            return reply
+        if self.child is None:
+            raise self._died()
+        return result_of(self.child, handle.seq, [self.child])
 
     # ----- supervision -----
     def restart(self) -> None:
@@ -134,11 +137,79 @@ class WorkerProcess:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the child: ask it to exit, then terminate it, then kill it. Idempotent."""
-        process, self.process = self.process, None
-        if process is None:
-            return
+        child, self.child = self.child, None
+        if child is not None:
+            child.close(timeout)
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid if self.child is not None else None
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid] if self.pid is not None else []
+
+    def _start(self, kv_cache_tokens: int | None) -> None:
+        self._seq = 0
+        config = replace(self.config, kv_cache_tokens=kv_cache_tokens)
+        backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        self.child = Child(config, "worker", self.device, backend, group_address(), rank=0, world=1)
+        ready = wait_ready([self.child])[0]
+        self.model = RemoteModel(ready.model_config)
+        self.num_pages, self.kv_bytes_per_token = ready.num_pages, ready.kv_bytes_per_token
+        self.max_model_len = ready.max_model_len
+        logger.info("worker process %d on %s: %d KV pages", self.child.pid, self.device, self.num_pages)
+
+    def _died(self) -> WorkerDied:
+        return WorkerDied("the worker process is not running") if self.child is None else self.child.died()
+
+
+class Child:
+    """One worker process: spawned, fed batches over a queue, answering over a pipe; `role` names it in
+    errors ("worker", "prefill", "decode")."""
+
+    def __init__(
+        self, config: EngineConfig, role: str, device: str, backend: str, group: str, rank: int, world: int
+    ) -> None:
+        ctx = mp.get_context(
+            "spawn"
+        )  # fork is unsafe with threads and CUDA; spawn starts a clean interpreter
+        self.role, self.device = role, device
+        self.batches = ctx.Queue()
+        self.batches.cancel_join_thread()  # never hang the parent's exit on a batch a dead child never read
+        self.results, child_end = ctx.Pipe(duplex=False)
+        config = replace(config, device=device, prefill_devices=None, decode_devices=None)
+        self.process = ctx.Process(
+            target=serve,
+            args=(config, child_end, self.batches, torch.get_num_threads(), group, rank, world, backend),
+            name=f"minakv-{role}",
+            daemon=True,
+        )
+        self.process.start()
+        child_end.close()  # only the child holds the writing end: its death is an end of file here
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def send(self, message: object) -> None:
+        self.batches.put(message)
+
+    def died(self) -> WorkerDied:
+        self.process.join(1.0)
+        name = "worker process" if self.role == "worker" else f"{self.role} worker process"
+        return WorkerDied(
+            f"the {name} (pid {self.pid}, {self.device}) died (exit code {self.process.exitcode})"
+        )
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask the child to exit, then terminate it, then kill it."""
+        process = self.process
         if process.is_alive():
-            self._batches.put(None)
+            self.batches.put(None)
             process.join(timeout)
         if process.is_alive():
             process.terminate()
@@ -146,84 +217,92 @@ class WorkerProcess:
         if process.is_alive():
             process.kill()
             process.join(1.0)
-        self._batches.close()
-        self._results.close()
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def _start(self, kv_cache_tokens: int | None) -> None:
-        ctx = mp.get_context(
-            "spawn"
-        )  # fork is unsafe with threads and CUDA; spawn starts a clean interpreter
-        self._batches = ctx.Queue()
-        self._batches.cancel_join_thread()  # never hang the parent's exit on a batch a dead child never read
-        self._results, child_end = ctx.Pipe(duplex=False)
-        self._seq = 0
-        child = replace(self.config, device=self.device, prefill_devices=None, decode_devices=None,
-                        kv_cache_tokens=kv_cache_tokens)  # fmt: skip
-        group = f"tcp://127.0.0.1:{free_port()}"  # rank 0 serves the group's store there
-        self.process = ctx.Process(
-            target=serve,
-            args=(child, child_end, self._batches, torch.get_num_threads(), group),
-            name="minakv-worker",
-            daemon=True,
-        )
-        self.process.start()
-        child_end.close()  # only the child holds the writing end: its death is an end of file here
-        _, ready = self._receive()
-        if isinstance(ready, Failed):
-            self.close()
-            error = ValueError if ready.kind in ("ValueError", "FileNotFoundError") else RuntimeError
-            raise error(f"the worker process could not start: {ready.message}")
-        self.model = RemoteModel(ready.model_config)
-        self.num_pages, self.kv_bytes_per_token = ready.num_pages, ready.kv_bytes_per_token
-        self.max_model_len = ready.max_model_len
-        logger.info("worker process %d on %s: %d KV pages", self.process.pid, self.device, self.num_pages)
-
-    def _receive(self) -> tuple[int, object]:
-        """The child's next message; `WorkerDied` as soon as the child is gone, never a hang."""
-        try:
-            while not self._results.poll(POLL_S):
-                if self.process is None or not self.process.is_alive():
-                    raise self._died()
-            return self._results.recv()
-        except (EOFError, OSError):
-            raise self._died() from None
-
-    def _died(self) -> WorkerDied:
-        process = self.process
-        if process is None:
-            return WorkerDied("the worker process is not running")
-        process.join(1.0)
-        return WorkerDied(
-            f"the worker process (pid {process.pid}, {self.device}) died (exit code {process.exitcode})"
-        )
+        self.batches.close()
+        self.results.close()
 
 
-def free_port() -> int:
+def receive(child: Child, watch: list[Child]) -> tuple[int, object]:
+    """`child`'s next message; `WorkerDied` as soon as any child in `watch` is gone, never a hang (a live
+    child may be blocked sending to a dead one)."""
+    try:
+        while not child.results.poll(POLL_S):
+            for c in watch:
+                if not c.alive():
+                    raise c.died()
+        return child.results.recv()
+    except (EOFError, OSError):
+        raise child.died() from None
+
+
+def result_of(child: Child, seq: int, watch: list[Child]) -> StepResult:
+    """The result of step `seq` from `child` (older results, of steps the engine dropped, are skipped)."""
+    while True:
+        got, reply = receive(child, watch)
+        if got < seq:
+            continue
+        if isinstance(reply, Failed):
+            if reply.kind == "TransferError":  # the pair is broken: name the one that died, if one did
+                for other in watch:
+                    other.process.join(0.5 if other is not child else 0)
+                    if other is not child and not other.alive():
+                        raise other.died()
+                raise WorkerDied(f"the {child.role} worker process stopped: {reply.message}")
+            raise RuntimeError(f"worker step failed: {reply.kind}: {reply.message}\n{reply.trace}")  # noqa: TRY004
+        return reply
+
+
+def wait_ready(children: list[Child]) -> list[Ready]:
+    """Every child's `Ready`; if one fails or dies, stop them all and raise (a bad model name: ValueError)."""
+    readies = []
+    try:
+        for child in children:
+            _, ready = receive(child, children)
+            if isinstance(ready, Failed):
+                error = ValueError if ready.kind in ("ValueError", "FileNotFoundError") else RuntimeError
+                raise error(f"the worker process could not start: {ready.message}")
+            readies.append(ready)
+    except BaseException:
+        for child in children:
+            child.close(1.0)
+        raise
+    return readies
+
+
+def group_address() -> str:
+    """Where rank 0 serves the workers' process group (a free local port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def serve(config: EngineConfig, results: Connection, batches, num_threads: int, group: str) -> None:
+def serve(
+    config: EngineConfig,
+    results: Connection,
+    batches,
+    num_threads: int,
+    group: str,
+    rank: int = 0,
+    world: int = 1,
+    backend: str = "gloo",
+) -> None:
     """The child's main: join the workers' process group, build the model and the `Worker` as the in-process
-    engine does, say `Ready`, then serve batches in order until told to stop (None) or the parent is gone."""
+    engine does, say `Ready`, then serve batches (one worker) or `Part`s (a prefill/decode pair) in order
+    until told to stop (None) or the parent is gone. A broken transfer ends the child: the pair is lost."""
     torch.set_num_threads(num_threads)  # the parent's setting (tests run tiny models on one thread)
     try:
         device = torch.device(config.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", init_method=group, rank=0, world_size=1
+            backend, init_method=group, rank=rank, world_size=world, timeout=GROUP_TIMEOUT
         )
         from minakv.engine import load_model_by_name, make_worker  # the engine's own code, not a copy
 
         model = load_model_by_name(config)
         worker, num_pages, per_token, max_model_len = make_worker(config, model)
-        dist.barrier(device_ids=[device.index or 0] if device.type == "cuda" else None)
+        stage = backend == "gloo" and device.type == "cuda"
+        peer = Peer(worker, rank, config.page_size, num_pages, stage) if world > 1 else None
+        dist.barrier(device_ids=[device.index or 0] if backend == "nccl" else None)
         results.send((0, Ready(model.config, num_pages, per_token, max_model_len)))
     except BaseException as exc:  # noqa: BLE001 (whatever it is, the parent must hear of it)
         results.send((0, Failed.of(exc)))
@@ -238,9 +317,15 @@ def serve(config: EngineConfig, results: Connection, batches, num_threads: int, 
             continue
         if message is None:
             break
-        seq, batch = message
+        seq, payload = message
         try:
-            reply = worker.collect(worker.launch(batch))
+            if isinstance(payload, Part):
+                reply = peer.run(payload)
+            else:
+                reply = worker.collect(worker.launch(payload))
+        except TransferError as exc:  # the peer is gone or out of step: nothing more this child can do
+            results.send((seq, Failed.of(exc)))
+            return
         except Exception as exc:  # noqa: BLE001 (the engine quarantines the step's requests, as in process)
             reply = Failed.of(exc)
         results.send((seq, reply))
