@@ -8,8 +8,9 @@ Weight layout, shared by both families (the loader converts checkpoints into it)
 All weights are (out, in), like nn.Linear, so `x @ w.T` is a projection.
 
 `moe` picks one of four ways to compute the same function, none of which loops over tokens:
-- `moe_fused` (CUDA, few (token, expert) pairs: decode): two Triton kernels that read each chosen expert's
-  weights once, with bias and activation fused (minakv/ops/fused_moe.py). Sync-free, any dtype.
+- `moe_fused` (CUDA, up to FUSED_MAX_PAIRS (token, expert) pairs: decode): two Triton kernels that read each
+  chosen expert's weights once, with bias and activation fused (minakv/ops/fused_moe.py). Few pairs scan the
+  id list, more are counting-sorted by expert on the device first. Sync-free, any dtype.
 - `moe_loop` (the reference, CPU): group the (token, expert) pairs by expert and run one matmul per expert
   that got tokens, then scatter the weighted outputs back with index_add in fp32. Reading the group sizes
   is a host sync, which is free on CPU and costly on a GPU.
@@ -30,8 +31,10 @@ from minakv.ops.fused_moe import moe_fused
 from minakv.ops.triton_util import use_triton
 
 DENSE_MAX_PAIRS = 4096  # moe_dense only while tokens * experts stays small (it computes every pair)
-# moe_fused up to this many (token, slot) pairs (its id scan grows with them); then the grouped GEMM
-FUSED_MAX_PAIRS = 512
+# moe_fused up to this many (token, slot) pairs (decode batch 512 at top-4: its BLOCK_M reaches 128 rows per
+# expert there); then the grouped GEMM, tiled for prefill's hundreds of rows per expert.
+# bench/moe_variants.py measures both sides of this line.
+FUSED_MAX_PAIRS = 2048
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
