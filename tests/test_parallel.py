@@ -10,6 +10,8 @@ same collectives. This process is the reference: the unsharded model, its Engine
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers.programs import HISTORY, assert_matches_oracle
+from safetensors.torch import save_file
 
 from minakv import Engine, SamplingParams
 from minakv.model import ModelConfig, build_model, load_model
+from minakv.model.loader import checkpoint_name
 from minakv.parallel import SINGLE, Parallel, ParallelError
 from minakv.parallel.experts import local_experts
 from minakv.parallel.shard import shard
@@ -39,7 +43,7 @@ FP8 = {
     "num_experts_per_tok": 2, "max_position_embeddings": 4096, "rope_theta": 10000.0,
     "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
 }  # fmt: skip
-CASES = {  # name -> (preset or "fp8-dummy", tp, ep, run the engine)
+CASES = {  # name -> (preset, "fp8-dummy" or "fp8-checkpoint", tp, ep, run the engine)
     "gpt-oss-tp2": ("tiny-gpt-oss", 2, 1, True),
     "gpt-oss-ep2": ("tiny-gpt-oss", 1, 2, True),
     "gpt-oss-tp2-ep2": ("tiny-gpt-oss", 2, 2, True),
@@ -50,13 +54,41 @@ CASES = {  # name -> (preset or "fp8-dummy", tp, ep, run the engine)
     "gpt-oss-mxfp4-ep2": ("tiny-gpt-oss-mxfp4", 1, 2, False),
     "minimax-fp8-ep2": ("tiny-minimax-m2-fp8", 1, 2, False),
     "minimax-fp8-dummy-tp2": ("fp8-dummy", 2, 1, False),
+    "minimax-fp8-checkpoint-tp2": ("fp8-checkpoint", 2, 1, True),
 }
+
+
+def fp8_checkpoint() -> Path:
+    """The FP8 dummy model written as a MiniMax-M2 checkpoint (per-expert w1/w3/w2 with their scale grids)."""
+    return Path(os.environ["MINAKV_CACHE"]) / "fp8-aligned"
+
+
+def write_fp8_checkpoint() -> None:
+    model, config, path = make("fp8-dummy"), ModelConfig.from_hf(FP8), fp8_checkpoint()
+    tensors = {}
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        prefix = checkpoint_name(config, name).rsplit(".", 1)[0]
+        leaf = name.rsplit(".", 1)[-1]
+        if ".experts." not in name:
+            tensors[checkpoint_name(config, name)] = t
+        elif leaf in ("gate_up", "gate_up_scale_inv"):
+            gates, ups = t.chunk(2, dim=1)  # [E, 2I, H] and its scale grid: the gate half, then the up half
+            suffix = ".weight" + leaf.removeprefix("gate_up")
+            for j in range(t.shape[0]):
+                tensors[f"{prefix}.{j}.w1{suffix}"], tensors[f"{prefix}.{j}.w3{suffix}"] = gates[j], ups[j]
+        else:
+            for j in range(t.shape[0]):
+                tensors[f"{prefix}.{j}.w2.weight" + leaf.removeprefix("down")] = t[j]
+    path.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(FP8))
 
 
 def make(model: str, parallel: Parallel = SINGLE):
     if model == "fp8-dummy":
         return build_model(ModelConfig.from_hf(FP8), "cpu", torch.float32, parallel=parallel)
-    return load_model(resolve_model(model), device="cpu", dtype=torch.float32, parallel=parallel)
+    path = fp8_checkpoint() if model == "fp8-checkpoint" else resolve_model(model)
+    return load_model(path, device="cpu", dtype=torch.float32, parallel=parallel)
 
 
 def requests() -> list:
@@ -97,8 +129,9 @@ def rank_main(rank: int, init: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Every case's results on each rank (spawned once for the module)."""
-    for preset in {m for m, *_ in CASES.values() if m != "fp8-dummy"}:
+    for preset in {m for m, *_ in CASES.values() if m.startswith("tiny")}:
         resolve_model(preset)  # build the checkpoints here, once, before the ranks read them
+    write_fp8_checkpoint()
     tmp = tmp_path_factory.mktemp("parallel")
     mp.spawn(rank_main, args=(f"file://{tmp / 'store'}", str(tmp)), nprocs=WORLD, join=True)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
@@ -206,20 +239,31 @@ def test_layouts_that_do_not_cut_are_refused() -> None:
     build_model(config, "cpu", torch.float32, parallel=Parallel(0, tp=2, ep=2))  # whole experts: fine
 
 
+def test_the_fp8_checkpoint_loads_back_as_the_dummy_model(ranks) -> None:
+    """The checkpoint the FP8 cases load is the dummy model (so their reference is not the loader's own)."""
+    assert torch.equal(forward_logits(full("fp8-checkpoint")), forward_logits(full("fp8-dummy")))
+
+
 @pytest.mark.slow
-def test_four_expert_ranks(tmp_path) -> None:
-    """EP over 4 ranks (2 experts each on the tiny GPT-OSS), attention replicated."""
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.spawn(_ep4_main, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=4, join=True)
-    ref = forward_logits(full("tiny-gpt-oss"))
+def test_four_ranks_and_groups_inside_a_larger_world(tmp_path) -> None:
+    """Four ranks: EP=4 over all of them (2 experts each), then two groups of two in the same world, as
+    prefill and decode workers would be: TP=2 of MiniMax-M2 on ranks 0-1, EP=2 of GPT-OSS on ranks 2-3."""
+    mp.spawn(_four_main, args=(f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=4, join=True)
     for r in range(4):
-        assert torch.allclose(torch.load(out / f"{r}.pt"), ref, rtol=1e-4, atol=1e-4)
+        ep4, grouped = torch.load(tmp_path / f"{r}.pt")
+        assert torch.allclose(ep4, forward_logits(full("tiny-gpt-oss")), rtol=1e-4, atol=1e-4)
+        ref = forward_logits(full("tiny-minimax-m2" if r < 2 else "tiny-gpt-oss"))
+        assert torch.allclose(grouped, ref, rtol=1e-4, atol=1e-4)
 
 
-def _ep4_main(rank: int, init: str, out: str) -> None:
+def _four_main(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
-    model = make("tiny-gpt-oss", Parallel(rank, 1, 4))
-    torch.save(forward_logits(model), Path(out) / f"{rank}.pt")
+    ep4 = forward_logits(make("tiny-gpt-oss", Parallel(rank, 1, 4)))
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    if rank < 2:
+        grouped = forward_logits(make("tiny-minimax-m2", Parallel(rank, 2, 1, groups[0])))
+    else:
+        grouped = forward_logits(make("tiny-gpt-oss", Parallel(rank - 2, 1, 2, groups[1])))
+    torch.save((ep4, grouped), Path(out) / f"{rank}.pt")
     dist.destroy_process_group()
