@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from minakv.engine import CacheOpError, Engine, Overloaded
+from minakv.engine import CacheOpError, Engine, Overloaded, Unavailable
 from minakv.outputs import RequestOutput
 from minakv.params import SamplingParams
 from minakv.server.cache_ops import CacheOps
@@ -105,9 +105,17 @@ async def finish(engine: Engine, stream: AsyncIterator[RequestOutput], request_i
 
 
 def failure(out: RequestOutput) -> RequestError:
-    """Why a request ended with finish reason "error": the shutdown cut it (503), or the engine failed."""
+    """Why a request ended with finish reason "error": the shutdown cut it (503), a worker process died (503:
+    the engine restarts its workers, try again), or the engine failed (500)."""
     if isinstance(out, Cut):
         return refused()
+    if isinstance(out, Unavailable):
+        return RequestError(
+            f"a worker process failed while running this request: {out.error}",
+            status=503,
+            type="server_error",
+            code="worker_unavailable",
+        )
     return RequestError(ENGINE_FAILED, status=500, type="server_error", code="engine_error")
 
 
