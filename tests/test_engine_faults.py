@@ -1,6 +1,8 @@
 """Fault injection: random workloads with aborts, preemption (a small pool), cache operations and step
 exceptions at random points. Afterwards the pool accounting is exact, every request ended (finished,
-aborted or failed), and the engine serves a new request exactly as a fresh engine does."""
+aborted or failed), and the engine serves a new request exactly as a fresh engine does. The same with
+separate prefill and decode worker processes (docs/workers.md): evictions, preemptions and failed steps must
+leave the workers' coherence table right, or the pages read afterwards would be stale on one side."""
 
 from __future__ import annotations
 
@@ -46,8 +48,31 @@ def test_many_random_faults(model, script, seed) -> None:
     run_script(model, script, seed)
 
 
-def run_script(model, script, seed) -> None:
-    engine = Engine(model, page_size=4, kv_cache_tokens=160, max_num_batched_tokens=32, max_num_seqs=6)
+SMALL = {"page_size": 4, "kv_cache_tokens": 160, "max_num_batched_tokens": 32, "max_num_seqs": 6}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A prefill/decode pair with a small pool (one for the module: each pair spawns two processes), and a
+    colocated engine of the same preset for the expected tokens."""
+    preset = "tiny-minimax-m2"
+    pd = Engine(preset, prefill_devices=["cpu"], decode_devices=["cpu"], device="cpu", **SMALL)
+    yield pd, (lambda: Engine(preset, device="cpu", **SMALL))
+    pd.shutdown()
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(script=events, seed=st.integers(0, 1000))
+@example(script=[("add", 30, True, 12), ("add", 40, False, 12), ("add", 35, True, 12), ("step", 6),
+                 ("fail", 1), ("step", 6), ("add", 30, True, 8), ("step", 6)], seed=3)  # fmt: skip
+def test_random_faults_with_separate_prefill_and_decode_workers(pair, script, seed) -> None:
+    engine, fresh = pair
+    run_script(None, script, seed, engine=engine, fresh=fresh)
+
+
+def run_script(model, script, seed, engine: Engine | None = None, fresh=None) -> None:
+    engine = engine or Engine(model, **SMALL)
+    fresh = fresh or (lambda: Engine(model, page_size=4, kv_cache_tokens=160))
     launch, fail = engine.worker.launch, {"n": 0}
 
     def faulty(batch):
@@ -57,6 +82,18 @@ def run_script(model, script, seed) -> None:
         return launch(batch)
 
     engine.worker.launch = faulty
+    try:
+        added = play(engine, script, seed, fail)
+    finally:
+        engine.worker.launch = launch
+    # the engine serves, and what it cached is sound: earlier prompts (cache hits) decode as on a fresh engine
+    for prompt in [[5, 6, 7, 8, 9, 10], *[r.prompt_ids for r in added[:3]]]:
+        expected = fresh().generate([prompt], GREEDY)[0]
+        assert engine.generate([prompt], GREEDY)[0].token_ids == expected.token_ids
+    engine.check()
+
+
+def play(engine: Engine, script, seed, fail: dict) -> list:
     added = []
     for i, event in enumerate(script):
         if event[0] == "add":
@@ -90,8 +127,4 @@ def run_script(model, script, seed) -> None:
     engine._flush()
     assert all(r.finish_reason in ("length", "abort", "error") for r in added)
     engine.check()
-    # the engine serves, and what it cached is sound: earlier prompts (cache hits) decode as on a fresh engine
-    for prompt in [[5, 6, 7, 8, 9, 10], *[r.prompt_ids for r in added[:3]]]:
-        fresh = Engine(model, page_size=4, kv_cache_tokens=160).generate([prompt], GREEDY)[0]
-        assert engine.generate([prompt], GREEDY)[0].token_ids == fresh.token_ids
-    engine.check()
+    return added
