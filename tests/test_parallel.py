@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers.programs import HISTORY, assert_matches_oracle
+from helpers.programs import HISTORY, assert_matches_oracle, compiles
 from safetensors.torch import save_file
 
 from minakv import Engine, SamplingParams
@@ -91,9 +92,27 @@ def make(model: str, parallel: Parallel = SINGLE):
     return load_model(path, device="cpu", dtype=torch.float32, parallel=parallel)
 
 
+def random_programs(count: int, seed: int = 0) -> list[tuple[list[list[int]], dict]]:
+    """Messages with random drops and repositions (seeded, so every rank draws the same ones)."""
+    rng, found = random.Random(seed), []
+    while len(found) < count:
+        n = rng.randint(2, 6)
+        segments = [[rng.randrange(384) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+        drop = {str(t): sorted(rng.sample(range(t + 1), rng.randint(1, min(2, t + 1))))
+                for t in range(n) if rng.random() < 0.4}  # fmt: skip
+        cache = {"drop": drop, "reposition": sorted(rng.sample(range(n), rng.randint(0, 2)))}
+        if compiles(segments, cache):
+            found.append((segments, cache))
+    return found
+
+
+PROGRAMS = HISTORY + random_programs(4)
+
+
 def requests() -> list:
+    """The programs batched between two unrelated prompts."""
     others = [[9, 8, 7, 6, 5, 4, 3], list(range(40, 61))]
-    return [others[0], *({"message_tokens": s, "cache": c} for s, c in HISTORY), others[1]]
+    return [others[0], *({"message_tokens": s, "cache": c} for s, c in PROGRAMS), others[1]]
 
 
 @torch.inference_mode()
@@ -172,7 +191,7 @@ def test_sharded_engine_matches_the_single_process_engine_and_the_walk(ranks, ca
             assert [x.logprob for x in got.logprobs] == pytest.approx(
                 [x.logprob for x in want.logprobs], abs=1e-4
             )
-    for (segments, cache), out in zip(HISTORY, ranks[0][case]["outputs"][1:]):
+    for (segments, cache), out in zip(PROGRAMS, ranks[0][case]["outputs"][1:], strict=False):
         assert_matches_oracle(reference, segments, cache, out, tol=1e-4)
     assert ranks[0][case]["again"].token_ids == expected[1].token_ids
     assert ranks[0][case]["again"].usage.cached_tokens > 0
