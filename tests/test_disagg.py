@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from minakv import Engine, SamplingParams
 from minakv.config import EngineConfig
 from minakv.engine import Unavailable, load_model_by_name
+from minakv.params import Grammar
 from minakv.worker.coherence import DECODE, PREFILL, Coherence
 from minakv.worker.split import split_batch
 
@@ -88,12 +89,18 @@ def test_random_programs_match_the_colocated_engine_and_the_walk(family, batch, 
     pd.check()
 
 
-def test_seeded_sampling_with_penalties_matches_the_colocated_engine(family) -> None:
-    """A penalised request's counts move from the prefill worker's table to the decode worker's."""
+def test_penalties_and_grammars_match_the_colocated_engine(family) -> None:
+    """A penalised request's counts move from the prefill worker's table to the decode worker's; a grammar's
+    mask rows follow their sample rows into either part."""
     _, local, pd = family
     prompts = [[7, 7, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
-    expected = [o.token_ids for o in local.generate(prompts, PENALISED)]
-    assert [o.token_ids for o in pd.generate(prompts, PENALISED)] == expected
+    params = [PENALISED, PENALISED]
+    if pd.tokenizer is not None:  # (gpt-oss: a tokenizer to compile a grammar for)
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        prompts += ["Hello there", "json please"]
+        params += [SamplingParams(max_tokens=12, seed=i, grammar=Grammar(json_schema=schema)) for i in (1, 2)]
+    expected = [o.token_ids for o in local.generate(prompts, params)]
+    assert [o.token_ids for o in pd.generate(prompts, params)] == expected
     pd.check()
 
 
