@@ -7,7 +7,7 @@
 # TokenCounter.from_model('tiny-gpt-oss')"` and carry .cache/gpu (drop the tiny model's safetensors).
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MINAKV_CACHE=${MINAKV_CACHE:-$PWD/.cache/gpu}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MINAKV_CACHE=${MINAKV_CACHE:-$PWD/.cache/gpu}
 OUT=${OUT:-/tmp}
 PORT=${PORT:-8123}
 python3 -m minakv.cli serve "${MODEL:-gpt-oss-20b}" --load-format dummy --port "$PORT" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
