@@ -56,9 +56,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-num-seqs", type=positive, default=None, help="requests decoding at once")
     p.add_argument("--prefill-devices", type=devices, default=None,
-                   help="run the model in a worker process on these devices (comma-separated; for now one, "
-                        "equal to --decode-devices: one process does both)")  # fmt: skip
-    p.add_argument("--decode-devices", type=devices, default=None, help="see --prefill-devices")
+                   help="run prefill in a worker process on this device (one for now); alone: one worker "
+                        "process does prefill and decode")  # fmt: skip
+    p.add_argument("--decode-devices", type=devices, default=None,
+                   help="with --prefill-devices: a separate decode worker process on this device (the same "
+                        "device allowed), KV sent between the two (docs/workers.md)")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (MiB)")

@@ -1,84 +1,58 @@
-"""The worker in a process of its own, started and supervised by the engine.
+"""Worker processes, started and supervised by the engine; here: one worker doing prefill and decode.
 
-`Engine(model, prefill_devices=["cpu"], decode_devices=["cpu"])` runs the model, the KV tensors and the
-`Worker` in a spawned child process; the engine's thread keeps the scheduler and talks to the child through
-`WorkerProcess`, which has the worker's interface (`launch(batch) -> handle`, `collect(handle) -> result`):
+`Engine(model, prefill_devices=["cpu"])` (or `decode_devices` alone; any one device) runs the model, the KV
+tensors and the `Worker` in a spawned child process; the engine's thread keeps the scheduler and talks to
+the child through `WorkerProcess`, which has the worker's interface (`launch(batch) -> handle`,
+`collect(handle) -> result`). With both device lists the engine runs a prefill and a decode child instead
+(minakv/worker/disagg.py); both are a `Child` of this module:
 
     parent: engine thread, scheduler                        child: Worker, model, KV (on its device)
       launch(batch N)    -- (N, ForwardBatch) --> queue -->   Worker.launch + Worker.collect, in order
       collect(handle N)  <-- (N, StepResult)  --  pipe  <--   (or (N, Failed) when the step raised)
 
-A `ForwardBatch` is plain data (lists, numpy arrays, sampling parameters), so it pickles as it is. Overlap
-keeps working: the engine sends batch N + 1 before it reads step N's tokens, the child serves the batches in
-order, and ids that reference step N's samples (`-(row + 1)`) resolve in the child as they do in process.
-Batches go through a queue, whose feeder thread writes the pipe, so `launch` never blocks the engine thread
-even when a batch is larger than the pipe's buffer (the child may be busy sending a large result meanwhile).
+A `ForwardBatch` is plain data (lists, numpy arrays, sampling parameters), so it pickles as it is (without
+the scheduler's note of its requests). Overlap keeps working: the engine sends batch N + 1 before it reads
+step N's tokens, the child serves the batches in order, and ids that reference step N's samples
+(`-(row + 1)`) resolve in the child as they do in process. Batches go through a queue, whose feeder thread
+writes the pipe, so `launch` never blocks the engine thread even when a batch is larger than the pipe's
+buffer (the child may be busy sending a large result meanwhile).
 
-Supervision: while the parent waits for the child (start-up or a step's result), it polls the result pipe
-with a short timeout and checks that the child is alive. A killed or crashed child closes its end of the
-pipe, so the wait ends at once with `WorkerDied`; the engine then ends the requests it holds with an error,
-forgets every cached page (their KV died with the child) and calls `restart()`, which starts a fresh child
-with the same pool size (the scheduler's page numbers stay valid). A child whose parent died exits within a
-second. Children are daemons: multiprocessing terminates them at interpreter exit; `close()` stops one.
+Supervision: while the parent waits for a child (start-up or a step's result), it polls the result pipe
+with a short timeout and checks that every child it watches is alive. A killed or crashed child closes its
+end of the pipe, so the wait ends at once with `WorkerDied`; the engine then ends the requests it holds with
+an error, forgets every cached page (their KV died with the child) and calls `restart()`, which starts fresh
+children with the same pool size (the scheduler's page numbers stay valid). A child whose parent died exits
+within a second. Children are daemons: multiprocessing terminates them at interpreter exit; `close()` stops
+them.
 
 `torch.distributed`: each child joins a process group of the workers (NCCL on CUDA, gloo on CPU, the same
-code) and waits at a barrier until every worker holds its model and its KV. With one worker that group has
-one rank; it is there for the next steps of docs/design.md 3.4 (KV transfer between prefill and decode
-workers, tensor and expert parallelism). The parent stays out of it: it has no device, and NCCL needs one
-per rank.
+code) and waits at a barrier until every worker holds its model and its KV. One worker is a group of one
+rank; a prefill/decode pair is ranks 0 and 1, which send KV to each other (minakv/worker/transfer.py). The
+parent stays out of it: it has no device, and NCCL needs one per rank.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import socket
-import traceback
 from dataclasses import dataclass, replace
-from datetime import timedelta
-from multiprocessing.connection import Connection
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minakv.config import EngineConfig
 from minakv.model import ModelConfig
 from minakv.worker.batch import ForwardBatch
-from minakv.worker.transfer import Part, Peer, TransferError
+from minakv.worker.child import Failed, Ready, serve
 from minakv.worker.worker import StepResult
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a waiting parent checks that the child is alive
-GROUP_TIMEOUT = timedelta(seconds=60)  # a send/recv whose peer hangs (a dead one is torn down at once)
 
 
 class WorkerDied(RuntimeError):
     """The worker process is gone (killed, crashed): the KV it held is lost."""
-
-
-@dataclass
-class Ready:
-    """The child's first message: the model is loaded and the KV pool is allocated."""
-
-    model_config: ModelConfig
-    num_pages: int
-    kv_bytes_per_token: int
-    max_model_len: int
-
-
-@dataclass
-class Failed:
-    """The child's answer when a step (or start-up) raised: the exception, as text."""
-
-    kind: str
-    message: str
-    trace: str
-
-    @classmethod
-    def of(cls, exc: BaseException) -> Failed:
-        return cls(type(exc).__name__, str(exc), traceback.format_exc())
 
 
 @dataclass
@@ -273,60 +247,3 @@ def group_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-def serve(
-    config: EngineConfig,
-    results: Connection,
-    batches,
-    num_threads: int,
-    group: str,
-    rank: int = 0,
-    world: int = 1,
-    backend: str = "gloo",
-) -> None:
-    """The child's main: join the workers' process group, build the model and the `Worker` as the in-process
-    engine does, say `Ready`, then serve batches (one worker) or `Part`s (a prefill/decode pair) in order
-    until told to stop (None) or the parent is gone. A broken transfer ends the child: the pair is lost."""
-    torch.set_num_threads(num_threads)  # the parent's setting (tests run tiny models on one thread)
-    try:
-        device = torch.device(config.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend, init_method=group, rank=rank, world_size=world, timeout=GROUP_TIMEOUT
-        )
-        from minakv.engine import load_model_by_name, make_worker  # the engine's own code, not a copy
-
-        model = load_model_by_name(config)
-        worker, num_pages, per_token, max_model_len = make_worker(config, model)
-        stage = backend == "gloo" and device.type == "cuda"
-        peer = Peer(worker, rank, config.page_size, num_pages, stage) if world > 1 else None
-        dist.barrier(device_ids=[device.index or 0] if backend == "nccl" else None)
-        results.send((0, Ready(model.config, num_pages, per_token, max_model_len)))
-    except BaseException as exc:  # noqa: BLE001 (whatever it is, the parent must hear of it)
-        results.send((0, Failed.of(exc)))
-        return
-    parent = mp.parent_process()
-    while True:
-        try:
-            message = batches.get(timeout=1.0)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():  # orphaned: nobody will read our results
-                break
-            continue
-        if message is None:
-            break
-        seq, payload = message
-        try:
-            if isinstance(payload, Part):
-                reply = peer.run(payload)
-            else:
-                reply = worker.collect(worker.launch(payload))
-        except TransferError as exc:  # the peer is gone or out of step: nothing more this child can do
-            results.send((seq, Failed.of(exc)))
-            return
-        except Exception as exc:  # noqa: BLE001 (the engine quarantines the step's requests, as in process)
-            reply = Failed.of(exc)
-        results.send((seq, reply))
-    dist.destroy_process_group()
