@@ -201,18 +201,20 @@ def load_act(a_rows, m_ok, k0, K, BLOCK_K: tl.constexpr, MODE: tl.constexpr, A_S
     """Activations A[rows, k0 : k0 + BLOCK_K] for `mxfp4_acc` -> (a, a) in mode 0, else (even, odd columns).
     a_rows: [BM, 1] row pointers; A_SPLIT: the row is stored [even columns | odd columns] (h, written so by
     the first kernel), else interleaved as usual (x: read with stride 2, its rows are small and cached)."""
+    # (one return per static branch: compiled Triton checks every return it visits for the same type)
     if MODE == 0:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        return a, a
-    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    mask = m_ok[:, None] & (offs_j < K // 2)[None, :]
-    if A_SPLIT:
-        even = tl.load(a_rows + offs_j[None, :], mask=mask, other=0.0)
-        odd = tl.load(a_rows + K // 2 + offs_j[None, :], mask=mask, other=0.0)
+        even = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        odd = even
     else:
-        even = tl.load(a_rows + 2 * offs_j[None, :], mask=mask, other=0.0)
-        odd = tl.load(a_rows + 2 * offs_j[None, :] + 1, mask=mask, other=0.0)
+        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        mask = m_ok[:, None] & (offs_j < K // 2)[None, :]
+        if A_SPLIT:
+            even = tl.load(a_rows + offs_j[None, :], mask=mask, other=0.0)
+            odd = tl.load(a_rows + K // 2 + offs_j[None, :], mask=mask, other=0.0)
+        else:
+            even = tl.load(a_rows + 2 * offs_j[None, :], mask=mask, other=0.0)
+            odd = tl.load(a_rows + 2 * offs_j[None, :] + 1, mask=mask, other=0.0)
     return even, odd
 
 
@@ -221,18 +223,22 @@ def mxfp4_acc(a0, a1, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.con
               F32_DOT: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
     """acc [BM, BN] + A[:, k0 : k0 + BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T, (a0, a1) from `load_act`."""
     if MODE == 0:
-        return dot_wt(a0, load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16), acc, F32_DOT)
-    if MODE == 1:
+        out = dot_wt(a0, load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16), acc, F32_DOT)
+    elif MODE == 1:
         w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
-        return dot_wt(a1, w1, dot_wt(a0, w0, acc, F32_DOT), F32_DOT)
-    w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, False)
-    prod = a0.to(tl.float32)[:, None, :] * w0[None, :, :] + a1.to(tl.float32)[:, None, :] * w1[None, :, :]
-    return acc + tl.sum(prod, 2)
+        out = dot_wt(a1, w1, dot_wt(a0, w0, acc, F32_DOT), F32_DOT)
+    else:
+        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, False)
+        prod = a0.to(tl.float32)[:, None, :] * w0[None, :, :] + a1.to(tl.float32)[:, None, :] * w1[None, :, :]
+        out = acc + tl.sum(prod, 2)
+    return out
 
 
 @triton.jit
 def split_col(offs_n, N, SPLIT: tl.constexpr):
     """Where column n of an [.., N] row goes when stored split ([even columns | odd columns])."""
     if SPLIT:
-        return (offs_n % 2) * (N // 2) + offs_n // 2
-    return offs_n
+        cols = (offs_n % 2) * (N // 2) + offs_n // 2
+    else:
+        cols = offs_n
+    return cols
