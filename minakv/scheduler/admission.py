@@ -31,6 +31,7 @@ class Admission:
     todo: np.ndarray  # entries to compute, in order
     incomplete: set[int]  # pages with entries neither cached nor computed: never published
     hits: int  # prompt tokens whose born entry comes from the cache
+    skipped: int  # prompt tokens born but neither cached nor computed: dropped, and read by nothing now
 
 
 def admission(r: Request, kv: KVCache) -> Admission:
@@ -44,7 +45,8 @@ def admission(r: Request, kv: KVCache) -> Admission:
     have_page = np.asarray(pages, dtype=np.int64) >= 0
     have = np.repeat(have_page, ps)[: plan.size]
     todo, read = closure(plan, have)
-    hits = int((have & (plan.source < 0) & (plan.token < r.num_prompt)).sum())
+    born = (plan.source < 0) & (plan.token < r.num_prompt)
+    hits = int((have & born).sum())
     # a cached page nobody reads (an old stage, a dropped message) is not held: it stays a hole here
     unread = have_page & ~per_page(read, num_pages, ps)
     retired = [pages[p] for p in np.nonzero(unread)[0].tolist()]
@@ -59,7 +61,11 @@ def admission(r: Request, kv: KVCache) -> Admission:
     incomplete = per_page(~have & ~computed, num_pages, ps)
     matched = [p for p in pages if p >= 0]
     missing = np.nonzero(needs & ~have_page)[0].tolist()
-    return Admission(pages, matched, retired, missing, todo, set(np.nonzero(incomplete)[0].tolist()), hits)
+    # a dropped message computed in an earlier round whose pages have left the cache since, and that no
+    # query of this request reads: not computed again, so it counts as drop-skipped (not as computed)
+    skipped = int(born.sum()) - hits - int(born[todo].sum())
+    incomplete_pages = set(np.nonzero(incomplete)[0].tolist())
+    return Admission(pages, matched, retired, missing, todo, incomplete_pages, hits, skipped)
 
 
 def per_page(flags: np.ndarray, num_pages: int, page_size: int) -> np.ndarray:

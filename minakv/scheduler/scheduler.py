@@ -315,7 +315,9 @@ class Scheduler:
             self.kv.retire(a.unread)
             r.pages, r.missing, r.incomplete = a.pages, a.missing, a.incomplete
             r.todo, r.cursor = a.todo, 0
-            r.usage.cached_tokens = max(r.usage.cached_tokens, a.hits)
+            if a.hits >= r.usage.cached_tokens:  # (re-admitted after a preemption: keep the best admission)
+                r.usage.cached_tokens = a.hits
+                r.usage.drop_skipped_tokens = r.plan.num_skipped + a.skipped
             self.counters["cache_hit_tokens"] += a.hits
             r.status = Status.RUNNING
             self.running.append(r)
@@ -336,7 +338,6 @@ class Scheduler:
         r.page_keys = plan.keys
         r.decode_keys = plan.final_keys.tolist()
         r.next_pos = int(r.program.birth_positions([len(tokens)])[0])
-        r.usage.drop_skipped_tokens = plan.num_skipped
 
     def _share(self, r: Request) -> None:
         """Publish r's computed full pages as soon as its prompt is done, not only when it ends, so requests
