@@ -50,11 +50,12 @@ from minakv.ops.triton_util import check
 
 def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                       limit=7.0, alpha=1.702, *, block_m: int = 128, block_n: int = 64, block_k: int = 64,
-                      num_warps: int = 8, num_stages: int = 3, mode: str = "interleave") -> torch.Tensor:  # fmt: skip
+                      num_warps: int = 8, num_stages: int = 3, mode: str = "bf16") -> torch.Tensor:  # fmt: skip
     """The prefill path: tiles of block_m rows of one expert. The keyword-only knobs are for benchmarks and
-    tests (block_k: a multiple of 32). Defaults: the best of bench_mxfp4.py's sweep at 4096 tokens on the
-    H200 (128 rows amortise each dequantized weight tile over more rows: 4.5 ms, 6.9 with 64 x 128).
-    mode: a tile mode of mxfp4_tile.MODES, or "bf16" (module docstring; the block knobs are then unused)."""
+    tests (block_k: a multiple of 32). mode: a tile mode of mxfp4_tile.MODES, or "bf16" (module docstring;
+    the block knobs are then unused). "bf16" is the default: on the H200 (bench/mxfp4_variants.py, RESULTS.md
+    "MXFP4 MoE kernels") it beat every in-register mode from 256 tokens up, e.g. 20b at 4096 tokens 3.4 ms
+    against 9.96 ms for the best tile mode (128 x 128 x 64 blocks, the defaults of the tile modes here)."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     check(mode in MODES or mode == "bf16", f"unknown mode {mode!r}")
     if mode == "bf16":
