@@ -26,10 +26,15 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode-only steps (CUDA only)
     overlap: bool = True  # prepare step N + 1 on the host while the device runs step N (same results)
     memory_fraction: float = 0.85  # of free accelerator memory (or a share of RAM on cpu) for the KV pool
-    # None: the worker runs in the engine's process. One list (e.g. prefill_devices=["cpu"] or ["cuda:0"]): the
-    # model and its KV run in one worker process the engine starts and supervises (minakv/worker/process.py).
-    # Both lists: a prefill worker process and a decode worker process (minakv/worker/disagg.py, docs/workers.md),
-    # one device each, the same device allowed; N:M lists are not built yet.
+    # Tensor / expert parallelism (minakv/parallel/, docs/parallel.md): the model runs on world = max(tp, ep)
+    # worker processes (ranks) per role, which the engine starts and supervises (docs/workers.md).
+    tensor_parallel_size: int = 1  # attention heads split this many ways: 1 or the world
+    expert_parallel_size: int = 1  # experts split this many ways: a divisor of the world
+    # None: the worker runs in the engine's process (unless tp/ep > 1: then worker processes on cuda:0..world-1,
+    # or all on "cpu"). One list (e.g. prefill_devices=["cpu"] or ["cuda:0"]): the model and its KV run in
+    # worker processes the engine starts and supervises (minakv/worker/process.py). Both lists: prefill and
+    # decode worker processes (minakv/worker/disagg.py), the same device allowed. A list names one device
+    # per rank (world entries), or one device for every rank (CPU only: NCCL takes one GPU per rank).
     prefill_devices: list[str] | None = None
     decode_devices: list[str] | None = None
 
@@ -44,13 +49,27 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must hold at least one page, got {self.kv_cache_tokens!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        from minakv.parallel import (
+            Parallel,
+        )  # (raises ParallelError, a ValueError, for a layout that cannot cut)
+
+        Parallel(0, self.tensor_parallel_size, self.expert_parallel_size)
+        world = self.world
         for name in ("prefill_devices", "decode_devices"):
             devices = getattr(self, name)
-            if devices is not None and len(devices) != 1:
+            if devices is not None and len(devices) not in (1, world):
                 raise ValueError(
-                    f"{name} must name exactly one device for now (prefill/decode disaggregation is built "
-                    f"1:1; N:M worker pools are not), got {devices!r}"
+                    f"{name} must name exactly one device per rank ({world} under tensor_parallel_size="
+                    f"{self.tensor_parallel_size}, expert_parallel_size={self.expert_parallel_size}), or one "
+                    f"device for all ranks; N:M worker pools are not built; got {devices!r}"
                 )
+            if devices is not None and world > 1 and len(devices) == 1 and devices[0].startswith("cuda"):
+                raise ValueError(
+                    f"{name}: {world} ranks on one GPU ({devices[0]}) is not built (NCCL takes one GPU per "
+                    f"rank); name {world} devices"
+                )
+            if devices is not None and devices[0].startswith("cuda") and len(set(devices)) < len(devices):
+                raise ValueError(f"{name}: the ranks of one role need distinct GPUs, got {devices!r}")
         if self.disaggregated:
             kinds = {d.split(":")[0] for d in [*self.prefill_devices, *self.decode_devices]}
             if len(kinds) != 1:  # one process group has one backend: gloo for CPU tensors, NCCL for CUDA
@@ -58,6 +77,30 @@ class EngineConfig:
                     "prefill_devices and decode_devices must be on the same one device type (all 'cpu' or all "
                     f"'cuda'), got {self.prefill_devices!r} and {self.decode_devices!r}"
                 )
+
+    @property
+    def world(self) -> int:
+        """Ranks per role: the worker processes one copy of the model runs on."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    @property
+    def worker_processes(self) -> bool:
+        """The model runs in worker processes the engine starts (not in the engine's own process)."""
+        return bool(self.prefill_devices or self.decode_devices) or self.world > 1
+
+    def role_devices(self, devices: list[str] | None) -> list[str]:
+        """One device per rank of a role: the list as given, one device repeated, or the default (cuda:0..
+        world-1 where `device` is CUDA or unset with a GPU present, else every rank on "cpu")."""
+        if devices:
+            return list(devices) * (self.world // len(devices))
+        device = self.device
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda"):
+            return [f"cuda:{r}" for r in range(self.world)] if self.world > 1 else [device]
+        return [device] * self.world
 
     @property
     def disaggregated(self) -> bool:

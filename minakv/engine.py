@@ -27,6 +27,7 @@ from minakv.cache.validate import CacheOpError
 from minakv.config import EngineConfig
 from minakv.model import CausalLM, default_device_dtype, load_model
 from minakv.outputs import RequestOutput
+from minakv.parallel import SINGLE, Parallel
 from minakv.params import SamplingParams
 from minakv.presets.real import build_dummy, dummy_tokenizer
 from minakv.prompt import make_request
@@ -63,16 +64,17 @@ def pool_tokens(config: EngineConfig, model_bytes_per_token: int, device: torch.
     return max(config.page_size, int(budget // model_bytes_per_token))
 
 
-def load_model_by_name(config: EngineConfig) -> CausalLM:
+def load_model_by_name(config: EngineConfig, parallel: Parallel = SINGLE) -> CausalLM:
     """The model `config.model` names (a preset, a directory, a hub id; random weights if load_format is
-    "dummy") on `config.device` in `config.dtype`. The engine and worker processes both load through here."""
+    "dummy") on `config.device` in `config.dtype`; under `parallel`, this rank's share only. The engine and
+    worker processes both load through here."""
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
     device, dtype = default_device_dtype(config.device, dtype)
     if config.load_format == "dummy":
-        return build_dummy(config.model, device, dtype)
+        return build_dummy(config.model, device, dtype, parallel=parallel)
     from minakv.presets import resolve_model
 
-    return load_model(resolve_model(config.model), device=device, dtype=dtype)
+    return load_model(resolve_model(config.model), device=device, dtype=dtype, parallel=parallel)
 
 
 def load_tokenizer(config: EngineConfig, arch: str) -> Tokenizer | None:
@@ -87,16 +89,20 @@ def load_tokenizer(config: EngineConfig, arch: str) -> Tokenizer | None:
 
 def make_worker(config: EngineConfig, model: CausalLM) -> tuple[Worker, int, int, int]:
     """The worker for `model` with its KV pool sized from `config`: (worker, pages, KV bytes per token,
-    max_model_len)."""
+    max_model_len). Under tensor / expert parallelism every rank of the model takes the smallest pool any
+    of them can hold, so a page number means the same slots on each; CUDA graphs stay off there for now
+    (graphs around NCCL collectives are untested)."""
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     limit = model.config.max_position_embeddings
     max_model_len = min(config.max_model_len or limit, limit)
     kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
     per_token = kv_bytes_per_token(model, kv_dtype)
-    num_pages = max(1, pool_tokens(config, per_token, device) // config.page_size)
+    par = getattr(model, "parallel", SINGLE)
+    num_pages = max(1, par.min_over_ranks(pool_tokens(config, per_token, device)) // config.page_size)
     num_slots = num_pages * config.page_size
     max_keys = min(num_slots, max_model_len) + 1  # the most keys one decode token can read
-    worker = Worker(model, num_slots, config.max_num_seqs, max_keys, kv_dtype, cuda_graphs=config.cuda_graphs)
+    graphs = config.cuda_graphs and par.world == 1
+    worker = Worker(model, num_slots, config.max_num_seqs, max_keys, kv_dtype, cuda_graphs=graphs)
     return worker, num_pages, per_token, max_model_len
 
 
@@ -111,13 +117,14 @@ class Engine:
         )
         config.check()
         on_allocate = None
-        if config.prefill_devices or config.decode_devices:  # the model and its KV live in worker processes
+        if config.worker_processes:  # the model and its KV live in worker processes (one per rank)
             if not isinstance(model, (str, Path)):
                 raise ValueError(
                     "a worker process loads its model by name: pass a preset, directory or hub id"
                 )
             # start the children and wait until their models are loaded: one worker, or a prefill/decode pair
-            # whose transfers follow the pages the scheduler hands out (docs/workers.md)
+            # whose transfers follow the pages the scheduler hands out (docs/workers.md); either one is
+            # world = max(tp, ep) ranks under tensor / expert parallelism (docs/parallel.md)
             if config.disaggregated:
                 self.worker = DisaggWorkers(config)
                 on_allocate = self.worker.fresh

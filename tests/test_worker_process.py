@@ -1,4 +1,4 @@
-"""The worker in a process of its own (`prefill_devices=decode_devices=["cpu"]`, minakv/worker/process.py):
+"""The worker in a process of its own (`prefill_devices=["cpu"]` alone, minakv/worker/process.py):
 the same tokens as the in-process engine (greedy, seeded sampling, drop and reposition, overlap on), and
 supervision: a killed worker ends its requests with an error within 5 s, the accounting stays exact, the
 engine restarts the worker and serves again, and no process is left behind after shutdown or exit.
@@ -19,7 +19,7 @@ import time
 import pytest
 
 from minakv import Engine, SamplingParams
-from minakv.worker.process import WorkerDied
+from minakv.worker.process import WorkerDied, WorkerProcess
 
 PRESET = "tiny-minimax-m2"  # token ids in, no tokenizer to build: the quickest child to start
 SETTINGS = {"device": "cpu", "page_size": 4, "kv_cache_tokens": 1024, "max_num_seqs": 8}
@@ -48,7 +48,7 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def engines():
     local = Engine(PRESET, **SETTINGS)
-    remote = Engine(PRESET, prefill_devices=["cpu"], decode_devices=["cpu"], **SETTINGS)
+    remote = Engine(PRESET, prefill_devices=["cpu"], **SETTINGS)
     yield local, remote
     remote.shutdown()
     local.shutdown()
@@ -67,6 +67,7 @@ def tokens(engine: Engine, params: SamplingParams) -> list[list[int]]:
 def test_same_tokens_as_the_in_process_engine(engines, params) -> None:
     local, remote = engines
     assert remote.config.overlap and remote.worker.pid != os.getpid()
+    assert isinstance(remote.worker, WorkerProcess) and len(remote.worker.pids) == 1  # one worker, not a pair
     assert outputs(remote, params) == outputs(local, params)
     assert outputs(remote, params) == outputs(local, params)  # the second round reads cached pages
     assert remote.stats()["cache_hit_tokens"] == local.stats()["cache_hit_tokens"] > 0
@@ -122,7 +123,7 @@ def test_killed_worker_fails_its_streams_fast_then_the_engine_serves_again(engin
 
 
 def test_shutdown_leaves_no_worker_process() -> None:
-    engine = Engine(PRESET, prefill_devices=["cpu"], decode_devices=["cpu"], **SETTINGS)
+    engine = Engine(PRESET, prefill_devices=["cpu"], **SETTINGS)
     pid = engine.worker.pid
     assert alive(pid)
     engine.generate([[1, 2, 3]], GREEDY)
@@ -134,7 +135,7 @@ def test_interpreter_exit_leaves_no_worker_process() -> None:
     script = (
         "from minakv import Engine\n"
         "if __name__ == '__main__':\n"
-        f"    e = Engine({PRESET!r}, prefill_devices=['cpu'], decode_devices=['cpu'], **{SETTINGS!r})\n"
+        f"    e = Engine({PRESET!r}, prefill_devices=['cpu'], **{SETTINGS!r})\n"
         "    print(e.worker.pid, flush=True)\n"  # no shutdown: exit must still stop the child
     )
     done = subprocess.run(
@@ -152,7 +153,7 @@ def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="same one device"):
         Engine(PRESET, prefill_devices=["cpu"], decode_devices=["cuda:0"], **SETTINGS)
     with pytest.raises(ValueError, match="could not start"):  # the child's error, not a hang
-        Engine("no-such-model-dir", prefill_devices=["cpu"], decode_devices=["cpu"], **SETTINGS)
+        Engine("no-such-model-dir", prefill_devices=["cpu"], **SETTINGS)
 
 
 def test_serve_flags() -> None:
@@ -170,7 +171,7 @@ def test_gpt_oss_text_prompts_match_the_in_process_engine() -> None:
     ]
     with Engine("tiny-gpt-oss", **SETTINGS) as local:
         expected = [(o.token_ids, o.text) for o in local.generate(prompts, SAMPLED)]
-    with Engine("tiny-gpt-oss", prefill_devices=["cpu"], decode_devices=["cpu"], **SETTINGS) as remote:
+    with Engine("tiny-gpt-oss", prefill_devices=["cpu"], **SETTINGS) as remote:
         assert remote.tokenizer is not None and remote.arch == "gpt_oss"
         assert [(o.token_ids, o.text) for o in remote.generate(prompts, SAMPLED)] == expected
         remote.check()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from minakv.model import CausalLM, ModelConfig, build_model
+from minakv.parallel import SINGLE, Parallel
 
 _GPT_OSS: dict[str, Any] = {
     "architectures": ["GptOssForCausalLM"],
@@ -118,9 +119,11 @@ def dummy_tokenizer(arch: str):
         return None
 
 
-def build_dummy(model: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+def build_dummy(
+    model: str, device: torch.device, dtype: torch.dtype, seed: int = 0, parallel: Parallel = SINGLE
+) -> CausalLM:
     """`load_format="dummy"`: the model named (a real shape above, or a local directory's config.json) with
-    random weights drawn on the device."""
+    random weights drawn on the device; under `parallel`, this rank's share of them."""
     hf = real_config(model)
     if hf is None:
         path = Path(model).expanduser() / "config.json"
@@ -131,4 +134,6 @@ def build_dummy(model: str, device: torch.device, dtype: torch.dtype, seed: int 
             )
         hf = json.loads(path.read_text())
     with torch.no_grad():
-        return build_model(ModelConfig.from_hf(hf), device, dtype, seed=seed, device_rng=True)
+        return build_model(
+            ModelConfig.from_hf(hf), device, dtype, seed=seed, device_rng=True, parallel=parallel
+        )

@@ -1,10 +1,18 @@
 """The worker process's main: join the workers' process group, build the model and the `Worker`, serve.
 
-The parent (minakv/worker/process.py) spawns it and reads its answers: first `Ready` (or `Failed`: a bad
-model name, say), then one result per step, in order. A step is a `ForwardBatch` for a worker doing both
-prefill and decode, or a `Part` for one of a prefill/decode pair (minakv/worker/transfer.py). A step that
-raises is answered `Failed` and the child goes on (the engine quarantines the step's requests); a broken
-transfer ends the child, since its peer is gone or out of step and the parent restarts the pair.
+The parent (minakv/worker/ranks.py) spawns it and reads its answers: first `Ready` (or `Failed`: a bad
+model name, say), then one answer per step, in order. A step is a `ForwardBatch` for a worker doing both
+prefill and decode, or a `Part` for one side of a prefill/decode pair (minakv/worker/transfer.py).
+
+Under tensor / expert parallelism a role is `w = max(tp, ep)` ranks: this child is rank `rank % w` of its
+role, holds that share of the model (minakv/parallel/) and runs every step the role gets, so the ranks meet
+at the same collectives. Every rank samples (the next step's inputs reference the samples, on each rank);
+rank 0 answers with the tokens, the others with None. A pair's two roles each get a subgroup, and prefill
+rank i sends its own kv heads to decode rank i.
+
+A step that raises is answered `Failed` and the child goes on (the engine quarantines the step's requests);
+a broken transfer or collective (a peer died, or hangs) ends the child with a fatal `Failed`: its peers are
+gone or out of step, and the parent restarts every rank.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch.multiprocessing as mp
 
 from minakv.config import EngineConfig
 from minakv.model import ModelConfig
+from minakv.parallel import SINGLE, Parallel
 from minakv.worker.transfer import Part, Peer, TransferError
 
 GROUP_TIMEOUT = timedelta(seconds=60)  # a send/recv whose peer hangs (a dead one is torn down at once)
@@ -43,10 +52,23 @@ class Failed:
     kind: str
     message: str
     trace: str
+    fatal: bool = False  # the child exits after it: a transfer or a collective broke
 
     @classmethod
-    def of(cls, exc: BaseException) -> Failed:
-        return cls(type(exc).__name__, str(exc), traceback.format_exc())
+    def of(cls, exc: BaseException, fatal: bool = False) -> Failed:
+        return cls(type(exc).__name__, str(exc), traceback.format_exc(), fatal)
+
+
+def broken_group(exc: BaseException) -> bool:
+    """Did a collective or a transfer fail (a peer died or timed out), rather than the step itself? gloo
+    raises a plain RuntimeError naming itself; NCCL a `DistError`."""
+    while exc is not None:
+        if isinstance(exc, (TransferError, dist.DistError)) or any(
+            word in str(exc) for word in ("gloo", "NCCL", "Connection closed by peer", "Connection reset")
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def serve(
@@ -59,9 +81,9 @@ def serve(
     world: int = 1,
     backend: str = "gloo",
 ) -> None:
-    """The child's main: join the workers' process group, build the model and the `Worker` as the in-process
-    engine does, say `Ready`, then serve batches (one worker) or `Part`s (a prefill/decode pair) in order
-    until told to stop (None) or the parent is gone. A broken transfer ends the child: the pair is lost."""
+    """The child's main: join the workers' process group, build this rank's share of the model and the
+    `Worker` as the in-process engine does, say `Ready`, then serve batches (one worker) or `Part`s (a
+    prefill/decode pair) in order until told to stop (None) or the parent is gone."""
     torch.set_num_threads(num_threads)  # the parent's setting (tests run tiny models on one thread)
     try:
         device = torch.device(config.device)
@@ -72,10 +94,17 @@ def serve(
         )
         from minakv.engine import load_model_by_name, make_worker  # the engine's own code, not a copy
 
-        model = load_model_by_name(config)
+        parallel, role_rank = role_parallel(config, rank, world)
+        model = load_model_by_name(config, parallel)
         worker, num_pages, per_token, max_model_len = make_worker(config, model)
         stage = backend == "gloo" and device.type == "cuda"
-        peer = Peer(worker, rank, config.page_size, num_pages, stage) if world > 1 else None
+        w = config.world
+        peer = None
+        if world > w:  # a prefill/decode pair: prefill rank i <-> decode rank i, each with its own kv heads
+            prefill = rank < w
+            peer = Peer(
+                worker, prefill, rank + w if prefill else rank - w, config.page_size, num_pages, stage
+            )
         dist.barrier(device_ids=[device.index or 0] if backend == "nccl" else None)
         results.send((0, Ready(model.config, num_pages, per_token, max_model_len)))
     except BaseException as exc:  # noqa: BLE001 (whatever it is, the parent must hear of it)
@@ -97,10 +126,23 @@ def serve(
                 reply = peer.run(payload)
             else:
                 reply = worker.collect(worker.launch(payload))
-        except TransferError as exc:  # the peer is gone or out of step: nothing more this child can do
-            results.send((seq, Failed.of(exc)))
-            return
         except Exception as exc:  # noqa: BLE001 (the engine quarantines the step's requests, as in process)
+            if world > 1 and broken_group(exc):  # a peer is gone or out of step: this child is done
+                results.send((seq, Failed.of(exc, fatal=True)))
+                return
             reply = Failed.of(exc)
-        results.send((seq, reply))
+        results.send((seq, reply if role_rank == 0 or isinstance(reply, Failed) else None))
     dist.destroy_process_group()
+
+
+def role_parallel(config: EngineConfig, rank: int, world: int) -> tuple[Parallel, int]:
+    """This rank's place in its role's model: (its `Parallel`, its rank in the role). A pair's roles each
+    get a subgroup; every process creates every group, in the same order (`new_group` is collective)."""
+    w = config.world
+    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+    if w == 1:
+        return SINGLE, 0
+    if world == w:  # one role: the whole group
+        return Parallel(rank, tp, ep), rank
+    groups = [dist.new_group(list(range(start, start + w))) for start in range(0, world, w)]
+    return Parallel(rank % w, tp, ep, group=groups[rank // w]), rank % w

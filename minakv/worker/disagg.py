@@ -2,7 +2,9 @@
 
 `Engine(model, prefill_devices=[A], decode_devices=[B])` starts two worker processes (A and B may be the same
 device), ranks 0 and 1 of one `torch.distributed` group (gloo on CPU, NCCL on two GPUs; the parent stays
-out of it). `DisaggWorkers` has the worker's interface (`launch`, `collect`), so the engine and the scheduler
+out of it). Under tensor / expert parallelism each side is `w = max(tp, ep)` ranks (prefill ranks 0..w-1,
+decode ranks w..2w-1, one device each), every rank of a side gets that side's part, and prefill rank i
+trades KV with decode rank i (minakv/worker/transfer.py); both sides use the same tp and ep. `DisaggWorkers` has the worker's interface (`launch`, `collect`), so the engine and the scheduler
 run as with one worker; each step it
 
     1. splits the batch: decode queries to the decode worker, segments and copies to the prefill worker
@@ -34,7 +36,8 @@ import numpy as np
 from minakv.config import EngineConfig
 from minakv.worker.batch import ForwardBatch
 from minakv.worker.coherence import DECODE, PREFILL, Coherence, StepPlan
-from minakv.worker.process import Child, RemoteModel, group_address, result_of, wait_ready
+from minakv.worker.process import RemoteModel, start_roles
+from minakv.worker.ranks import Child, check_alive, close_all, result_of
 from minakv.worker.split import reads_and_writes, split_batch
 from minakv.worker.transfer import Part
 from minakv.worker.worker import StepResult
@@ -56,18 +59,21 @@ class DisaggWorkers:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.devices = (config.prefill_devices[0], config.decode_devices[0])
+        self.devices = (
+            config.role_devices(config.prefill_devices),
+            config.role_devices(config.decode_devices),
+        )
+        if config.world > 1:
+            self.restart_note = f"restarting the workers (prefill and decode, {config.world} ranks each: the KV of both is lost)"
         self.graphs = None  # CUDA graphs and penalty tables live in the children
         self.penalties = None
-        self.children: list[Child] = []
+        self.roles: list[list[Child]] = []  # the prefill side's ranks, the decode side's
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._start(config.kv_cache_tokens)
 
     # ----- the worker's interface -----
     def launch(self, batch: ForwardBatch) -> PairHandle:
-        for child in self.children:
-            if not child.alive():
-                raise child.died()
+        check_alive(self.children)
         self._seq += 1
         seq = self._seq
         prefill, decode = split_batch(batch)
@@ -87,10 +93,11 @@ class DisaggWorkers:
                  written=plan.written[DECODE]),
         )  # fmt: skip
         sides = []
-        for child, part in zip(self.children, parts):
+        for ranks, part in zip(self.roles, parts):
             busy = part.batch is not None or part.tokens > 0 or len(part.send) > 0 or len(part.recv) > 0
             if busy:
-                child.send((seq, part))
+                for child in ranks:
+                    child.send((seq, part))
             sides.append(busy)
         self._last = (
             seq,
@@ -104,7 +111,7 @@ class DisaggWorkers:
         results = {}
         for side in (DECODE, PREFILL):
             if handle.sides[side]:
-                results[side] = result_of(self.children[side], handle.seq, self.children)
+                results[side] = result_of(self.roles[side], handle.seq, self.children)
         empty = StepResult([], [])
         d, p = results.get(DECODE, empty), results.get(PREFILL, empty)
         return StepResult(d.tokens + p.tokens, d.logprobs + p.logprobs)
@@ -128,17 +135,19 @@ class DisaggWorkers:
             raise RuntimeError(f"the restarted workers have {self.num_pages} pages, not {old}")
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop both children. If one is dead the other may be blocked on it: no grace period then."""
-        children, self.children = self.children, []
-        if any(not c.alive() for c in children):
-            timeout = 0.0
-        for child in children:
-            child.close(timeout)
+        """Stop every child. If one is dead the others may be blocked on it: no grace period then."""
+        children, self.roles = self.children, []
+        close_all(children, timeout)
+
+    @property
+    def children(self) -> list[Child]:
+        """Every rank of both sides: the prefill side's first."""
+        return [c for ranks in self.roles for c in ranks]
 
     @property
     def pid(self) -> int | None:
-        """The prefill worker's process id."""
-        return self.children[PREFILL].pid if self.children else None
+        """The prefill worker's (rank 0's) process id."""
+        return self.roles[PREFILL][0].pid if self.roles else None
 
     @property
     def pids(self) -> list[int]:
@@ -147,28 +156,18 @@ class DisaggWorkers:
     def _start(self, kv_cache_tokens: int | None) -> None:
         self._seq = 0
         self._last = (-1, 0, 0)  # the last launch: its number, and how many samples each side drew
-        prefill_dev, decode_dev = self.devices
-        cuda = prefill_dev.startswith("cuda")
-        # NCCL wants one device per rank; two processes on one GPU talk through host memory over gloo
-        backend = "nccl" if cuda and prefill_dev != decode_dev else "gloo"
         config = replace(self.config, kv_cache_tokens=kv_cache_tokens)
-        if cuda and prefill_dev == decode_dev and kv_cache_tokens is None:  # two pools on one GPU
-            config = replace(config, memory_fraction=config.memory_fraction / 2)
-        group = group_address()
-        self.children = [
-            Child(config, "prefill", prefill_dev, backend, group, rank=0, world=2),
-            Child(config, "decode", decode_dev, backend, group, rank=1, world=2),
-        ]
-        readies = wait_ready(self.children)
+        self.roles, readies = start_roles(config, [("prefill", self.devices[0]), ("decode", self.devices[1])])
         ready = readies[0]
         self.model = RemoteModel(ready.model_config)
-        # each side sized its pool from its own device: the pages both have are the pool
+        # each side sized its pool from its own devices: the pages all have are the pool
         self.num_pages = min(r.num_pages for r in readies)
         self.kv_bytes_per_token, self.max_model_len = ready.kv_bytes_per_token, ready.max_model_len
         self.coherence = Coherence(self.num_pages)
         logger.info(
-            "prefill worker %d on %s, decode worker %d on %s (%s): %d KV pages each",
-            *(self.children[PREFILL].pid, prefill_dev, self.children[DECODE].pid, decode_dev, backend),
+            "prefill workers %s on %s, decode workers %s on %s: %d KV pages each",
+            *([c.pid for c in self.roles[PREFILL]], self.devices[PREFILL]),
+            *([c.pid for c in self.roles[DECODE]], self.devices[DECODE]),
             self.num_pages,
         )
 

@@ -15,6 +15,10 @@ A short header comes first: the step's number and, per page, the version the sen
 stamps the pages it writes with the versions its parts announce). The receiver checks it against the
 versions its own part expects, so a mis-planned or mis-paired transfer fails loudly instead of leaving
 stale KV behind. Any failure here is fatal for the pair (`TransferError`): the parent restarts both.
+
+Under tensor / expert parallelism each side is `w` ranks, and prefill rank i pairs with decode rank i
+(global ranks i and w + i): each holds the same kv heads, so each pair moves its share of every page, and
+the pairs run side by side. Every rank samples, so every prefill rank has the samples its partner needs.
 """
 
 from __future__ import annotations
@@ -52,8 +56,11 @@ class Part:
 class Peer:
     """A worker's end of the pair: role, stamps, and the page transfers."""
 
-    def __init__(self, worker: Worker, rank: int, page_size: int, num_pages: int, stage: bool) -> None:
-        self.worker, self.rank, self.peer = worker, rank, 1 - rank
+    def __init__(
+        self, worker: Worker, prefill: bool, peer: int, page_size: int, num_pages: int, stage: bool
+    ) -> None:
+        # under tensor parallelism prefill rank i pairs with decode rank i: each moves its own kv heads
+        self.worker, self.prefill, self.peer = worker, prefill, peer
         self.page_size = page_size
         self.stamps = np.zeros(num_pages, dtype=np.int64)  # the version of each page this side holds
         # gloo moves host tensors: two processes on one GPU go through host memory (not fast, but exact)
@@ -61,7 +68,7 @@ class Peer:
 
     def run(self, part: Part) -> StepResult:
         try:
-            if self.rank == 0:  # the prefill worker
+            if self.prefill:
                 self._send(part.seq, part.send)
                 if part.tokens:
                     self._send_tokens(part.tokens)
