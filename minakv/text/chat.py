@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
+import numpy as np
 
 from minakv.text.chat_template import TRACKER, ChatError, compile_template
+from minakv.text.pieces import encode_runs
 
 
 @dataclass
@@ -42,7 +44,14 @@ class Rendered:
     owners: list[int]  # owners[i] in 0..num_messages; num_messages is the generation prompt
     text: str
     num_messages: int
-    offsets: list[tuple[int, int]] = field(default_factory=list)  # per token, its (start, end) chars in text
+    spans: np.ndarray = field(
+        default_factory=lambda: np.zeros((0, 2), np.int64)
+    )  # [T, 2] chars of each token
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]:
+        """Per token, its (start, end) characters in `text` (as tuples: built on demand, few callers)."""
+        return [tuple(o) for o in self.spans.tolist()]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -229,10 +238,16 @@ def render(
     specials = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token")}
     kwargs = {**{k: v for k, v in specials.items() if v is not None}, **template_kwargs}
     text, runs = render_spans(normalized, template, tools, add_generation_prompt, **kwargs)
+    cache = getattr(tokenizer, "pieces", None)  # minakv's Tokenizer has one (pieces.py)
+    if cache is not None:
+        if check := getattr(tokenizer, "check", None):  # the server's length guard (server/prepare.py)
+            check(text)
+        encoded = encode_runs(cache, text, runs)
+        if encoded is not None:  # message by message, earlier rounds' messages from the cache
+            return Rendered(*encoded[:2], text, len(messages), encoded[2])
     ids, offsets = tokenizer.encode_with_offsets(text)
-    return Rendered(
-        list(ids), owners_of_tokens(offsets, runs), text, len(messages), [tuple(o) for o in offsets]
-    )
+    spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    return Rendered(list(ids), owners_of_tokens(offsets, runs), text, len(messages), spans)
 
 
 def message_text(rendered: Rendered, owner: int, tokenizer: Any) -> str:

@@ -31,6 +31,7 @@ from minakv.text.bpe import (
     byte_to_unicode,  # noqa: F401 (re-exported for minakv.server.output)
     merges_from_ranks,
 )
+from minakv.text.pieces import PieceCache
 
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 O200K_NUM_RANKS = 199998
@@ -238,6 +239,13 @@ class Tokenizer:
             pad_token=_token_name(config.get("pad_token")),
             eos_token_ids=eos_ids,
         )
+
+    @functools.cached_property
+    def pieces(self) -> PieceCache | None:
+        """The cache of rendered messages' tokens (minakv/text/pieces.py), or None when the vocabulary has no
+        added tokens to cut a conversation at."""
+        cache = PieceCache(self)
+        return cache if cache.markers else None
 
     @property
     def vocab_size(self) -> int:
