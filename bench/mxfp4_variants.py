@@ -3,11 +3,11 @@
 For gpt-oss-20b (32 experts) and gpt-oss-120b (128 experts), hidden = intermediate = 2880, top-4, biases,
 the clamped SwiGLU, bf16 activations, at T = 1, 8, 64, 256, 1024, 4096 tokens it runs
 
-    fused baseline        moe_mxfp4_fused with its defaults (today's decode path)
+    fused baseline        moe_mxfp4_fused's first kernel (mode "interleave"); "fused default": its defaults
     fused <mode> ...      the tile modes of mxfp4_tile.MODES ("split": two dots on the even / odd halves, no
-                          interleave; "fma": the halves without tensor cores), the per-pair grid (slots=auto)
+                          interleave; "swap": split with the weights as the left operand; "fma": no tensor cores), the per-pair grid (slots=auto)
                           and a few block shapes                                   (T <= 64, and T = 256)
-    grouped baseline      moe_mxfp4_grouped with its defaults (today's prefill path)      (T >= 256)
+    grouped baseline      moe_mxfp4_grouped's first kernel ("interleave"); "grouped default"  (T >= 256)
     grouped split / bf16  split tiles; or all experts dequantized once, then the bf16 grouped GEMM
     bf16 fused / grouped  minakv.ops' bf16 paths on the dequantized weights (the bar to beat)
 
@@ -45,16 +45,17 @@ from minakv.ops.mxfp4_moe import moe_mxfp4_fused
 TOKENS = (1, 8, 64, 256, 1024, 4096)
 DECODE_MAX_T = 64  # fused variants up to here (and the two headline ones at 256)
 TOL = 1e-2
-FUSED = [("fused baseline", {}), ("fused interleave slots=auto", {"slots": "auto"})] + [
+FUSED = [("fused baseline", {"mode": "interleave"}), ("fused default", {})] + [
     (f"fused {mode} bn{n} bk{k} w{w}", {"mode": mode, "slots": "auto", "block_n": n, "block_k": k, "num_warps": w})
-    for mode in ("split", "fma")
+    for mode in ("split", "swap", "fma")
     for n, k, w in ((32, 128, 4), (64, 256, 4), (32, 256, 8))
 ]  # fmt: skip
 GROUPED = [
-    ("grouped baseline", {}),
+    ("grouped baseline", {"mode": "interleave"}),
     ("grouped split", {"mode": "split"}),
+    ("grouped swap", {"mode": "swap"}),
     ("grouped split bm128 bn128 bk64", {"mode": "split", "block_n": 128}),
-    ("grouped bf16 (dequantize once)", {"mode": "bf16"}),
+    ("grouped default (bf16 once)", {}),
 ]
 
 

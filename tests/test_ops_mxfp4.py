@@ -117,12 +117,16 @@ def test_k_not_a_multiple_of_the_block(path: str) -> None:
 
 
 VARIANTS = [  # (path, knobs) beyond the defaults: each tile mode, and the fused kernels' per-pair grid
+    ("fused", {"mode": "interleave"}),
     ("fused", {"mode": "split"}),
+    ("fused", {"mode": "swap"}),
     ("fused", {"mode": "fma"}),
     ("fused", {"mode": "fma", "block_m": 1}),
     ("fused", {"mode": "split", "slots": "pairs"}),
     ("fused", {"mode": "interleave", "slots": "pairs"}),
+    ("grouped", {"mode": "interleave", "block_m": 16}),
     ("grouped", {"mode": "split", "block_m": 16}),
+    ("grouped", {"mode": "swap", "block_m": 16}),
     ("grouped", {"mode": "fma", "block_m": 4}),
 ]
 

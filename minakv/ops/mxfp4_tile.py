@@ -29,8 +29,9 @@ Both are exact: every FP4 value times a power of two is a bf16, so the dequantiz
 K (the `in` dim) is a multiple of 32 by the format, not of the tile's BK (gpt-oss: 2880 = 90 * 32):
 the tail tile is masked per byte and per group, masked bytes read 0 (the value 0).
 
-The interleave above (join + reshape) costs layout shuffles in registers on every tile. The "split" and
-"fma" modes (MODES) never build it: the low nibbles are the even inputs and the high nibbles the odd
+The interleave above (join + reshape) costs layout shuffles in registers on every tile. The "split",
+"swap" and "fma" modes (MODES) never build it ("swap" is "split" with the weight tile as the dot's left
+operand, the one Hopper's MMA reads from registers; "fma" multiplies and sums without tensor cores): the low nibbles are the even inputs and the high nibbles the odd
 ones, so with the activations split the same way (even / odd columns)
 
     A @ W^T = A[:, 0::2] @ W[:, 0::2]^T + A[:, 1::2] @ W[:, 1::2]^T
@@ -53,7 +54,7 @@ from minakv.ops.triton_util import check, interpreting
 
 # how the GEMMs consume a packed tile: 0 the interleaved tile and one tl.dot; 1 the even / odd halves and two
 # tl.dot; 2 the halves with fp32 multiply-and-sum (no tensor cores: a dot pads one row to 16)
-MODES = {"interleave": 0, "split": 1, "fma": 2}
+MODES = {"interleave": 0, "split": 1, "fma": 2, "swap": 3}
 KEYS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
 
 
@@ -167,6 +168,17 @@ def dot_wt(a, w, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def dot_wa(w, a, acc, F32_DOT: tl.constexpr):
+    """(acc +) w @ a^T -> [BN, BM]: the dequantized tile is the left operand, which Hopper's MMA can take
+    straight from registers (the right one goes through shared memory: here the few activation rows)."""
+    if F32_DOT:
+        out = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        out = tl.dot(w.to(a.dtype), tl.trans(a), acc)
+    return out
+
+
+@triton.jit
 def e2m1_f16(codes):
     """FP4 E2M1 codes (0..15) -> fp16 equal to the FP4 value times 2^-14 (module docstring), no selects."""
     c = codes.to(tl.uint16)
@@ -227,6 +239,9 @@ def mxfp4_acc(a0, a1, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.con
     elif MODE == 1:
         w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
         out = dot_wt(a1, w1, dot_wt(a0, w0, acc, F32_DOT), F32_DOT)
+    elif MODE == 3:  # the weights as the left operand: Hopper's wgmma reads that one from registers
+        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
+        out = acc + tl.trans(dot_wa(w0, a0, dot_wa(w1, a1, None, F32_DOT), F32_DOT))
     else:
         w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, False)
         prod = a0.to(tl.float32)[:, None, :] * w0[None, :, :] + a1.to(tl.float32)[:, None, :] * w1[None, :, :]
