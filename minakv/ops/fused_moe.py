@@ -182,9 +182,13 @@ def _row_pairs(order_ptr, mine, number, count, start, m0,
 
 @triton.jit
 def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    # One return per static branch here and below: compiled Triton type-checks every return it visits
+    # (the interpreter does not), and the two layouts differ in shape.
     if SWAP_AB:
-        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
 
 
 @triton.jit
@@ -192,18 +196,21 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + a @ w^T (or its transpose, w @ a^T, with SWAP_AB), with w stored (out, in) like nn.Linear."""
     if F32_DOT:  # fp32 weights (or the interpreter): exact fp32 products, not tf32
         if SWAP_AB:
-            return tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
-        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    if SWAP_AB:
-        return tl.dot(w, tl.trans(a), acc)
-    return tl.dot(a, tl.trans(w), acc)
+            acc = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    elif SWAP_AB:
+        acc = tl.dot(w, tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit
 def _rows_first(acc, SWAP_AB: tl.constexpr):
     """The accumulator as [BLOCK_M, BLOCK_N] (rows, columns) for the epilogue."""
     if SWAP_AB:
-        return tl.trans(acc)
+        acc = tl.trans(acc)
     return acc
 
 
