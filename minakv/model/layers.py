@@ -89,6 +89,29 @@ class Attention(nn.Module):
         self.q_norm = make_norm(c, c.num_heads * c.head_dim) if c.qk_norm else None
         self.k_norm = make_norm(c, c.num_kv_heads * c.head_dim) if c.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if c.sinks else None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # q, k, v in one weight: fuse()
+        self.qkv_sizes = [c.num_heads * c.head_dim, *[c.num_kv_heads * c.head_dim] * 2]
+
+    def fuse(self) -> None:
+        """Serve q, k and v from one weight (the three projections' parameters become views of it), so a
+        forward runs one GEMM instead of three: at decode batch 1 a launch costs more than its bytes. Plain
+        linear layers only (FP8 ones keep their kernel)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv is not None or not all(type(p) is nn.Linear for p in projs):
+            return
+        weight = torch.cat([p.weight.detach() for p in projs])
+        bias = torch.cat([p.bias.detach() for p in projs]) if projs[0].bias is not None else None
+        for i, (p, w) in enumerate(zip(projs, weight.split(self.qkv_sizes))):
+            p.weight = nn.Parameter(w, requires_grad=False)
+            if bias is not None:
+                p.bias = nn.Parameter(bias.split(self.qkv_sizes)[i], requires_grad=False)
+        self.qkv = (weight, bias)
+
+    def _apply(self, fn, recurse: bool = True):
+        """`.to()`, `.half()`, `to_empty()`: they replace the parameters one by one, so the fused weight would
+        go stale; unfuse (the three projections stay correct on their own; Worker fuses again)."""
+        self.qkv = None
+        return super()._apply(fn, recurse)
 
     @property
     def spec(self) -> AttentionLayer:
@@ -97,7 +120,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv is not None:  # views of one [T, q + 2 kv] product: the kernels below take strides
+            q, k, v = F.linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
             q, k = self.qk_norm(q, k)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -181,6 +207,11 @@ class CausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[AttentionLayer]:
         return [layer.self_attn.spec for layer in self.layers]
+
+    def fuse(self) -> None:
+        """Merge what serving runs faster merged (each layer's q/k/v projections); the weights stay shared."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
