@@ -1,6 +1,7 @@
 """The `minakv` command line.
 
     minakv generate [MODEL] [--prompt TEXT] [--max-tokens N] [--device D] [--dtype T] [--raw]
+                    [--tensor-parallel-size N] [--expert-parallel-size M]
     minakv build-tiny PRESET PATH [--seed N] [--quant mxfp4|fp8]
     minakv serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...   (see minakv serve --help)
     minakv bench replay --url URL [--tasks C] [--policies ...] ...      (see minakv bench replay --help)
@@ -24,7 +25,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 def cmd_generate(args: argparse.Namespace) -> int:
     from minakv import Engine, SamplingParams
 
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format)
+    engine = Engine(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel_size=args.expert_parallel_size,
+    )
     tokenizer = engine.tokenizer
     if args.raw or tokenizer is None or not tokenizer.chat_template:
         prompt = args.prompt
@@ -72,6 +80,10 @@ def make_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--raw", action="store_true", help="tokenize the prompt as is, without the chat template"
     )
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="worker processes (ranks) that split attention heads (docs/parallel.md)")  # fmt: skip
+    gen.add_argument("--expert-parallel-size", type=int, default=1,
+                     help="ranks that split the experts; max(tp, ep) ranks on cuda:0.. (or all on cpu)")  # fmt: skip
     gen.set_defaults(run=cmd_generate)
 
     tiny = sub.add_parser("build-tiny", help="write a tiny random checkpoint in a real Hugging Face format")

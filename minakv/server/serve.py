@@ -56,11 +56,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-num-seqs", type=positive, default=None, help="requests decoding at once")
     p.add_argument("--prefill-devices", type=devices, default=None,
-                   help="run prefill in a worker process on this device (one for now); alone: one worker "
-                        "process does prefill and decode")  # fmt: skip
+                   help="run prefill in worker processes on these devices (one per rank, comma-separated); "
+                        "alone: one worker does prefill and decode")  # fmt: skip
     p.add_argument("--decode-devices", type=devices, default=None,
-                   help="with --prefill-devices: a separate decode worker process on this device (the same "
-                        "device allowed), KV sent between the two (docs/workers.md)")  # fmt: skip
+                   help="with --prefill-devices: separate decode worker processes on these devices (the "
+                        "same devices allowed), KV sent between the two (docs/workers.md)")  # fmt: skip
+    p.add_argument("--tensor-parallel-size", type=positive, default=1,
+                   help="split attention heads over this many worker processes (ranks; docs/parallel.md)")  # fmt: skip
+    p.add_argument("--expert-parallel-size", type=positive, default=1,
+                   help="split the experts over this many ranks; the world is max(tp, ep) ranks per role, on "
+                        "cuda:0.. or the device lists (one device per rank; one 'cpu' for all)")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (MiB)")
@@ -99,6 +104,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         "max_queued_requests": args.max_queued_requests,
         "load_format": args.load_format,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "expert_parallel_size": args.expert_parallel_size,
     }
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
