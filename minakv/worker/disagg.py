@@ -128,7 +128,7 @@ class DisaggWorkers:
         """Start a fresh pair with the same pool, after `WorkerDied`: the engine has ended every request and
         cleared its index, and the coherence table starts empty (no page holds anything on either side)."""
         old = self.num_pages
-        self.close()
+        self.close(1.0)  # (a rank out of step may be stuck in a collective: little grace, then terminate)
         self._start(old * self.config.page_size)
         if self.num_pages != old:
             self.close()

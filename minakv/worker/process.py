@@ -112,7 +112,7 @@ class WorkerProcess:
         """Start fresh children with the same pool size, after `WorkerDied`. Their KV is empty, so the engine
         must have ended every request and cleared its cache index first."""
         old = self.num_pages
-        self.close()
+        self.close(1.0)  # (a rank out of step may be stuck in a collective: little grace, then terminate)
         self._start(old * self.config.page_size)
         if self.num_pages != old:  # the scheduler's page numbers would be wrong
             self.close()
