@@ -132,6 +132,16 @@ def _rms_norm() -> None:
         rms_norm(torch.randn(2, size).to(BF16), torch.randn(size).to(BF16), 1e-5, in_fp32)
 
 
+@case("add_rms_norm")
+def _add_rms_norm() -> None:
+    """The residual add fused with the next norm, both families' ways of applying the weight."""
+    from minakv.ops.norm import add_rms_norm
+
+    for size, in_fp32 in ((2880, True), (3072, False)):
+        x, update = torch.randn(2, size).to(BF16), torch.randn(2, size).to(BF16)
+        add_rms_norm(x, update, torch.randn(size).to(BF16), 1e-5, in_fp32)
+
+
 def _routing(tokens: int, experts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from minakv.ops.moe import route_softmax_topk
 

@@ -12,7 +12,7 @@ import torch
 from helpers.triton import interpreted
 
 from minakv.ops.kv_store import rotate_and_store, rotate_and_store_ref, rotate_and_store_triton
-from minakv.ops.norm import rms_norm_ref, rms_norm_triton
+from minakv.ops.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from minakv.ops.rope import Rope
 
 BF16_STEP = 2.0**-7  # relative spacing of bf16 numbers (8 significant bits)
@@ -92,6 +92,30 @@ def test_rms_norm_kernel_matches_float64(size: int, weight_in_fp32: bool, dtype:
     assert_close_rel(ours, ref, dtype, step)
     if dtype == torch.float32:
         torch.testing.assert_close(ours, rms_norm_ref(x, weight, 1e-5, weight_in_fp32))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_in_fp32", [True, False])
+def test_add_rms_norm_kernel_is_the_add_then_the_norm(weight_in_fp32: bool, dtype: torch.dtype) -> None:
+    """Fused, the sum is rounded to x's dtype before the norm, exactly as `x + update` then `rms_norm`."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 90, generator=gen) * 3).to(dtype)
+    update = torch.randn(4, 90, generator=gen).to(dtype)
+    weight = 1 + torch.randn(90, generator=gen)
+    weight = weight if weight_in_fp32 else weight.to(dtype)
+    total, normed = add_rms_norm_triton(x, update, weight, 1e-5, weight_in_fp32)
+    ref_total, _ = add_rms_norm_ref(x, update, weight, 1e-5, weight_in_fp32)
+    assert total.dtype == normed.dtype == dtype
+    if dtype == torch.float32:  # exact: the same sum, then the same norm kernel
+        assert torch.equal(total, ref_total)
+        assert torch.equal(normed, rms_norm_triton(ref_total, weight, 1e-5, weight_in_fp32))
+    else:  # the interpreter's fp32 -> bf16 cast may round the other way (the GPU rounds to nearest)
+        torch.testing.assert_close(total, ref_total, rtol=BF16_STEP, atol=0)
+    td = total.double()
+    ref = weight.double() * td * torch.rsqrt(td.pow(2).mean(-1, keepdim=True) + 1e-5)
+    step = 2 * BF16_STEP if dtype == torch.bfloat16 and not weight_in_fp32 else 0
+    assert_close_rel(normed, ref, dtype, step)
 
 
 def assert_close_rel(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, extra: float) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 from minakv.model.config import ModelConfig
 from minakv.model.context import AttentionContext, AttentionLayer
 from minakv.ops.fp8_linear import linear_fp8
-from minakv.ops.norm import rms_norm
+from minakv.ops.norm import add_rms_norm, rms_norm
 from minakv.ops.rope import Rope
 from minakv.parallel.group import SINGLE, Parallel
 from minakv.parallel.shard import check_layout, local_config
@@ -40,6 +40,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.weight_in_fp32)
+
+    def add(self, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + update, this norm of it), in one kernel on the GPU."""
+        return add_rms_norm(x, update, self.weight, self.eps, self.weight_in_fp32)
 
 
 class Fp8Linear(nn.Module):
@@ -163,9 +167,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, h: torch.Tensor, ctx: AttentionContext, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; h: this layer's input norm of it. Returns the stream after the layer and
+        `next_norm` of it (the next layer's input norm, or the final norm): each residual add is fused
+        with the norm that follows it."""
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(h, ctx))
+        return next_norm.add(x, self.mlp(h))
 
 
 class CausalLM(nn.Module):
@@ -215,9 +224,13 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+        if not len(self.layers):
+            return self.norm(x)
+        h = self.layers[0].input_layernorm(x)
+        following = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, following):
+            x, h = layer(x, h, ctx, next_norm)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()

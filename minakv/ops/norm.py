@@ -7,7 +7,8 @@ matching transformers bit for bit.
 
 The torch form is seven elementwise and reduction kernels per call; a decode step calls it twice per
 layer, so on the GPU those launches cost more than the bytes (a few KB per token). The kernel does the
-same arithmetic, one program per row.
+same arithmetic, one program per row. `add_rms_norm` also takes the residual add before it (x + update,
+then the norm of that), so a layer's two adds cost no launch of their own.
 """
 
 from __future__ import annotations
@@ -61,11 +62,66 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     ok = offs < size
     x = tl.load(x_ptr + row * stride + offs, mask=ok, other=0.0).to(tl.float32)
+    y = _normalize(x, w_ptr, offs, ok, size, eps, out_ptr.dtype.element_ty, WEIGHT_IN_FP32)
+    tl.store(out_ptr + row * size + offs, y, mask=ok)
+
+
+@triton.jit
+def _normalize(x, w_ptr, offs, ok, size, eps, out_ty: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr):
+    """One fp32 row x -> weight * x / rms(x) in out_ty, the weight applied as the family does."""
     w = tl.load(w_ptr + offs, mask=ok, other=0.0)
     normed = x * tl.rsqrt(tl.sum(x * x, 0) / size + eps)
-    out_ty = out_ptr.dtype.element_ty
     if WEIGHT_IN_FP32:
         y = w.to(tl.float32) * normed
     else:  # round to the output dtype first, then multiply in it (as a bf16 tensor product does)
         y = w.to(out_ty).to(tl.float32) * normed.to(out_ty).to(tl.float32)
-    tl.store(out_ptr + row * size + offs, y.to(out_ty), mask=ok)
+    return y.to(out_ty)
+
+
+def add_rms_norm(
+    x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's step and the next norm in one pass: (s, rms_norm(s)) with s = x + update in x's
+    dtype. Fused, the sum is rounded to x's dtype before it is normalised, exactly as the two ops apart."""
+    fn = add_rms_norm_triton if use_triton(x) else add_rms_norm_ref
+    return fn(x, update, weight, eps, weight_in_fp32)
+
+
+def add_rms_norm_ref(x, update, weight, eps, weight_in_fp32=True) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + update
+    return total, rms_norm_ref(total, weight, eps, weight_in_fp32)
+
+
+def add_rms_norm_triton(x, update, weight, eps, weight_in_fp32=True) -> tuple[torch.Tensor, torch.Tensor]:
+    size = x.shape[-1]
+    check(weight.shape == (size,), f"weight is {tuple(weight.shape)}, expected ({size},)")
+    check(update.shape == x.shape, f"update is {tuple(update.shape)}, x {tuple(x.shape)}")
+    rows, adds = x.reshape(-1, size), update.reshape(-1, size)
+    if rows.stride(-1) != 1 or adds.stride(-1) != 1:
+        rows, adds = rows.contiguous(), adds.contiguous()
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(size)
+        _add_rms_norm_kernel[(rows.shape[0],)](
+            rows, adds, weight, total, out, size, rows.stride(0), adds.stride(0), float(eps),
+            BLOCK=block, WEIGHT_IN_FP32=weight_in_fp32, num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    return total.view(x.shape), out.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, a_ptr, w_ptr, total_ptr, out_ptr, size, stride_x, stride_a, eps,
+    BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < size
+    out_ty = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row * stride_a + offs, mask=ok, other=0.0).to(tl.float32)
+    s = (x + a).to(out_ty)  # the residual stream keeps x's dtype, as `x + update` does
+    tl.store(total_ptr + row * size + offs, s, mask=ok)
+    y = _normalize(s.to(tl.float32), w_ptr, offs, ok, size, eps, out_ty, WEIGHT_IN_FP32)
+    tl.store(out_ptr + row * size + offs, y, mask=ok)
