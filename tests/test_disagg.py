@@ -14,14 +14,11 @@ serves the module."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 import random
-import signal
-import time
 
 import numpy as np
 import pytest
+from helpers.processes import alive, assert_recovered, kill_while_decoding
 from helpers.programs import assert_matches_oracle, compiles, programs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -45,15 +42,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True
 PENALISED = SamplingParams(max_tokens=8, temperature=0.8, seed=3, repetition_penalty=1.3,
                            frequency_penalty=0.5, ignore_eos=True)  # fmt: skip
 FAMILIES = {"minimax_m2": "tiny-minimax-m2", "gpt_oss": "tiny-gpt-oss"}
-
-
-def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -148,38 +136,13 @@ def test_a_killed_worker_fails_its_streams_fast_then_the_pair_serves_again(famil
     _, local, pd = family
     old = pd.worker.pids
     victim = old[1 if side == "decode" else 0]
-    long = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [5] * 30]
-
-    async def run() -> tuple[list, float]:
-        async def consume(prompt):
-            return [out async for out in pd.stream(prompt, long)]
-
-        tasks = [asyncio.create_task(consume(p)) for p in prompts]
-        while sum(1 for r in pd.scheduler.running if r.output_ids) < 2:  # decoding on the decode side
-            await asyncio.sleep(0.01)
-        os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
-        streams = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
-        return streams, time.monotonic() - killed
-
-    streams, waited = asyncio.run(run())
-    assert waited < 5
+    streams = kill_while_decoding(pd, victim)
     for outs in streams:
-        assert isinstance(outs[-1], Unavailable) and outs[-1].finish_reason == "error"
         assert (
             f"the {side} worker process (pid {victim}" in outs[-1].error
             and "restarting the workers" in outs[-1].error
         )
-    pd.check()
-    assert pd.stats()["pages_cached"] == 0  # the KV of both workers is gone
-    again = [[1, 2, 3, 4, 5], {"message_tokens": [[1, 2, 3], [4, 5, 6, 7], [8, 9]],
-                               "cache": {"drop": {"2": [1]}, "reposition": [2]}}]  # fmt: skip
-    assert [o.token_ids for o in pd.generate(again, GREEDY)] == [
-        o.token_ids for o in local.generate(again, GREEDY)
-    ]
-    assert not any(alive(pid) for pid in old) and not set(pd.worker.pids) & set(old)
-    pd.check()
+    assert_recovered(pd, local, old, GREEDY)
 
 
 # ----- settings -----

@@ -15,22 +15,19 @@ Each engine spawns processes that import torch (seconds each), so one engine per
 
 from __future__ import annotations
 
-import asyncio
-import os
 import random
-import signal
-import time
 from multiprocessing import Pipe
 from types import SimpleNamespace
 
 import pytest
+from helpers.processes import alive, assert_recovered, kill_while_decoding
 from helpers.programs import assert_matches_oracle, compiles, programs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minakv import Engine, SamplingParams
 from minakv.config import EngineConfig
-from minakv.engine import Unavailable, load_model_by_name
+from minakv.engine import load_model_by_name
 from minakv.parallel import ParallelError
 from minakv.worker import ranks as ranks_module
 from minakv.worker.child import Failed, broken_group
@@ -54,15 +51,6 @@ CASES = {  # name -> (preset, engine keywords)
     "minimax-pd-tp2": ("tiny-minimax-m2", {"tensor_parallel_size": 2, **PD}),
 }
 FAST = ("gpt-oss-tp2", "minimax-ep2", "minimax-pd-tp2")
-
-
-def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 _references: dict[str, tuple] = {}
@@ -137,36 +125,10 @@ def kill_and_recover(case, rank: int) -> None:
     _, _, local, engine = case
     old = engine.worker.pids
     victim = old[rank]
-    long = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11], [5] * 30]
-
-    async def run() -> tuple[list, float]:
-        async def consume(prompt):
-            return [out async for out in engine.stream(prompt, long)]
-
-        tasks = [asyncio.create_task(consume(p)) for p in prompts]
-        while sum(1 for r in engine.scheduler.running if r.output_ids) < 2:
-            await asyncio.sleep(0.01)
-        os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
-        streams = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
-        return streams, time.monotonic() - killed
-
-    streams, waited = asyncio.run(run())
-    assert waited < 5
+    streams = kill_while_decoding(engine, victim)
     for outs in streams:
-        assert isinstance(outs[-1], Unavailable) and outs[-1].finish_reason == "error"
         assert f"rank {rank} (pid {victim}" in outs[-1].error and "ranks" in outs[-1].error
-    engine.check()
-    assert engine.stats()["pages_cached"] == 0  # the KV of every rank is gone
-    again = [[1, 2, 3, 4, 5], {"message_tokens": [[1, 2, 3], [4, 5, 6, 7], [8, 9]],
-                               "cache": {"drop": {"2": [1]}, "reposition": [2]}}]  # fmt: skip
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    assert [o.token_ids for o in engine.generate(again, params)] == [
-        o.token_ids for o in local.generate(again, params)
-    ]
-    assert not any(alive(pid) for pid in old) and not set(engine.worker.pids) & set(old)
-    engine.check()
+    assert_recovered(engine, local, old, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
 
 
 # ----- settings -----

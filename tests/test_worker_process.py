@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from helpers.processes import alive
 
 from minakv import Engine, SamplingParams
 from minakv.worker.process import WorkerDied, WorkerProcess
@@ -34,15 +35,6 @@ PROMPTS = [
         "cache": {"drop": {"2": [0], "3": [1]}, "reposition": [3]},
     },
 ]
-
-
-def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
