@@ -14,30 +14,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-import torch
-
 from minakv.cache.validate import CacheOpError
 from minakv.config import EngineConfig
-from minakv.model import CausalLM, default_device_dtype, load_model
+from minakv.model import CausalLM
 from minakv.outputs import RequestOutput
-from minakv.parallel import SINGLE, Parallel
 from minakv.params import SamplingParams
-from minakv.presets.real import build_dummy, dummy_tokenizer
 from minakv.prompt import make_request
 from minakv.scheduler.request import Request, Unavailable
 from minakv.scheduler.scheduler import Scheduler
 from minakv.text.tokenizer import Tokenizer
 from minakv.worker.batch import ForwardBatch
+from minakv.worker.build import load_model_by_name, load_tokenizer, make_worker
 from minakv.worker.disagg import DisaggWorkers
 from minakv.worker.process import WorkerDied, WorkerProcess
-from minakv.worker.worker import Launched, Worker, kv_bytes_per_token
+from minakv.worker.worker import Launched
 
 logger = logging.getLogger(__name__)
 
@@ -50,60 +46,6 @@ class Overloaded(RuntimeError):
 
 
 Prompt = str | list[int] | dict[str, Any]
-
-
-def pool_tokens(config: EngineConfig, model_bytes_per_token: int, device: torch.device) -> int:
-    """How many KV tokens to allocate when the caller did not say."""
-    if config.kv_cache_tokens is not None:
-        return config.kv_cache_tokens
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * config.memory_fraction
-    else:  # a share of RAM, capped: a CPU engine is for tests and small models
-        budget = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.1, 2 << 30)
-    return max(config.page_size, int(budget // model_bytes_per_token))
-
-
-def load_model_by_name(config: EngineConfig, parallel: Parallel = SINGLE) -> CausalLM:
-    """The model `config.model` names (a preset, a directory, a hub id; random weights if load_format is
-    "dummy") on `config.device` in `config.dtype`; under `parallel`, this rank's share only. The engine and
-    worker processes both load through here."""
-    dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
-    device, dtype = default_device_dtype(config.device, dtype)
-    if config.load_format == "dummy":
-        return build_dummy(config.model, device, dtype, parallel=parallel)
-    from minakv.presets import resolve_model
-
-    return load_model(resolve_model(config.model), device=device, dtype=dtype, parallel=parallel)
-
-
-def load_tokenizer(config: EngineConfig, arch: str) -> Tokenizer | None:
-    """The tokenizer of `config.model`, or None (the engine then takes token ids)."""
-    if config.load_format == "dummy":
-        return dummy_tokenizer(arch)
-    from minakv.presets import resolve_model
-
-    path = resolve_model(config.model)
-    return Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
-
-
-def make_worker(config: EngineConfig, model: CausalLM) -> tuple[Worker, int, int, int]:
-    """The worker for `model` with its KV pool sized from `config`: (worker, pages, KV bytes per token,
-    max_model_len). Under tensor / expert parallelism every rank of the model takes the smallest pool any
-    of them can hold, so a page number means the same slots on each; CUDA graphs stay off there for now
-    (graphs around NCCL collectives are untested)."""
-    dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
-    limit = model.config.max_position_embeddings
-    max_model_len = min(config.max_model_len or limit, limit)
-    kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
-    per_token = kv_bytes_per_token(model, kv_dtype)
-    par = getattr(model, "parallel", SINGLE)
-    num_pages = max(1, par.min_over_ranks(pool_tokens(config, per_token, device)) // config.page_size)
-    num_slots = num_pages * config.page_size
-    max_keys = min(num_slots, max_model_len) + 1  # the most keys one decode token can read
-    graphs = config.cuda_graphs and par.world == 1
-    worker = Worker(model, num_slots, config.max_num_seqs, max_keys, kv_dtype, cuda_graphs=graphs)
-    return worker, num_pages, per_token, max_model_len
 
 
 class Engine:

@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 
 from minakv import Engine, SamplingParams
 from minakv.config import EngineConfig
-from minakv.engine import Unavailable, load_model_by_name
+from minakv.engine import Unavailable
 from minakv.params import Grammar
+from minakv.worker.build import load_model_by_name
 from minakv.worker.coherence import DECODE, PREFILL, Coherence
 from minakv.worker.split import split_batch
 

@@ -92,7 +92,7 @@ def serve(
         dist.init_process_group(
             backend, init_method=group, rank=rank, world_size=world, timeout=GROUP_TIMEOUT
         )
-        from minakv.engine import load_model_by_name, make_worker  # the engine's own code, not a copy
+        from minakv.worker.build import load_model_by_name, make_worker  # as the in-process engine builds
 
         parallel, role_rank = role_parallel(config, rank, world)
         model = load_model_by_name(config, parallel)
