@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The H200 runs the open issues still need, in the order they pay off, each bounded by a timeout so one
+# device call (10 minutes) can take the first few: STEPS="replay sweep" bash bench/h200_open_items.sh.
+# Results go to $OUT (JSON rows and logs). Steps:
+#   replay    issue 10: the 8 x 24 x 2,000 replay in the three modes (GPU busy of the last round)   ~200 s
+#   long      issue 10: the long variant, 4 x 28 x 4,000                                            ~100 s
+#   host      issue 10: where the engine thread's time goes in kv_drop's last round                  ~120 s
+#   sweep     issue 10: decode at batch 1, 128, 256, greedy and sampled (the q/k/v and add+norm fusions) ~90 s
+#   mxfp4     issue 12: MXFP4 kernel variants incl. the "swap" mode                                 ~180 s
+#   dummy120  issue 12: gpt-oss-120b (dummy MXFP4) decode at batch 1, 64, 256, and its KV pool        ~240 s
+#   dummy20   issue 12: gpt-oss-20b (dummy MXFP4) decode at batch 1, 64, 256                         ~150 s
+#   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
+# The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
+# bench/serve_replay.sh) for `serve`; the other steps need no tokenizer.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+STEPS=${STEPS:-replay sweep mxfp4}
+for step in $STEPS; do
+    log="$OUT/$step.log"
+    echo "=== $step ($(date -u +%H:%M:%S)), log: $log"
+    case $step in
+        replay) timeout 300 python3 bench/agent_replay.py --modes plain,kv_drop,text_drop ;;
+        long) timeout 200 python3 bench/agent_replay.py --agents 4 --rounds 28 --tool-tokens 4000 --modes plain,kv_drop ;;
+        host) timeout 200 python3 bench/agent_replay.py --modes kv_drop --sample-host ;;
+        sweep) timeout 200 python3 bench/decode_sweep.py --batches 1,128,256 --prompt 400 --repeats 2 ;;
+        mxfp4) timeout 240 python3 bench/mxfp4_variants.py --out "$OUT/mxfp4_variants.json" ;;
+        dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 ;;
+        dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
+        serve) timeout 450 bash bench/serve_replay.sh ;;
+        *) echo "unknown step $step" ;;
+    esac > "$log" 2>&1
+    echo "exit $? ($(date -u +%H:%M:%S))"
+    for rows in agent_replay decode_sweep; do  # the scripts write these names: keep one per step
+        [ -f "$OUT/$rows.json" ] && mv "$OUT/$rows.json" "$OUT/${rows}_$step.json"
+    done
+    grep -v '^{' "$log" | tail -10
+done
