@@ -434,7 +434,9 @@ def test_health_answers_while_a_30mb_body_is_refused(server, engine) -> None:
     late = sorted(health_times)[-2] if len(health_times) > 1 else health_times[0]
     assert health_times and late < 0.5 and max(health_times) < 2.0, health_times
     gaps = [b - a for a, b in pairwise(stream_times)]
-    assert len(stream_times) > 10 and max(gaps) < 1.0, (max(gaps), elapsed)
+    # the stream may pause while the request thread holds the GIL (~0.15 s alone; up to ~1.2 s measured
+    # late in a full CI run on 2 cores), but never for the whole parse-and-tokenize of 30 MB (many seconds)
+    assert len(stream_times) > 10 and max(gaps) < 2.0, (max(gaps), elapsed)
     wait_idle(engine)
 
 
