@@ -19,7 +19,7 @@ import random
 import numpy as np
 import pytest
 from helpers.processes import alive, assert_recovered, kill_while_decoding
-from helpers.programs import assert_matches_oracle, compiles, programs
+from helpers.programs import assert_matches_oracle, mixed_prompts, programs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -66,10 +66,7 @@ def family(request):
 )
 def test_random_programs_match_the_colocated_engine_and_the_walk(family, batch, seed) -> None:
     model, local, pd = family
-    batch = [b for b in batch if compiles(*b)]
-    rng = random.Random(seed)
-    prompts = [{"message_tokens": s, "cache": c} for s, c in batch]
-    prompts.insert(1, [rng.randrange(384) for _ in range(rng.randint(1, 30))])  # an unrelated request
+    batch, prompts = mixed_prompts(batch, seed)
     expected = local.generate(prompts, GREEDY)
     outs = pd.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]

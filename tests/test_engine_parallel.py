@@ -15,13 +15,12 @@ Each engine spawns processes that import torch (seconds each), so one engine per
 
 from __future__ import annotations
 
-import random
 from multiprocessing import Pipe
 from types import SimpleNamespace
 
 import pytest
 from helpers.processes import alive, assert_recovered, kill_while_decoding
-from helpers.programs import assert_matches_oracle, compiles, programs
+from helpers.programs import assert_matches_oracle, mixed_prompts, programs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -85,10 +84,7 @@ def case(request):
 )
 def test_random_programs_match_the_single_process_engine_and_the_walk(case, batch, seed) -> None:
     _, model, local, engine = case
-    batch = [b for b in batch if compiles(*b)]
-    rng = random.Random(seed)
-    prompts = [{"message_tokens": s, "cache": c} for s, c in batch]
-    prompts.insert(1, [rng.randrange(384) for _ in range(rng.randint(1, 30))])  # an unrelated request
+    batch, prompts = mixed_prompts(batch, seed)
     expected = local.generate(prompts, GREEDY)
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]

@@ -49,8 +49,9 @@ def admission(r: Request, kv: KVCache) -> Admission:
     hits = int((have & born).sum())
     # a cached page nobody reads (an old stage, a dropped message) is not held: it stays a hole here
     unread = have_page & ~per_page(read, num_pages, ps)
-    retired = [pages[p] for p in np.nonzero(unread)[0].tolist()]
+    retired = []
     for p in np.nonzero(unread)[0].tolist():
+        retired.append(pages[p])
         pages[p] = -1
     have_page &= ~unread
     have &= np.repeat(have_page, ps)[: plan.size]

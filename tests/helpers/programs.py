@@ -11,6 +11,7 @@ compared with the walk oracle.
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
 
 import torch
@@ -160,3 +161,13 @@ HISTORY = [
         {"drop": {"0": [0], "2": [1]}, "reposition": [1, 2]},
     ),
 ]
+
+
+def mixed_prompts(batch: list, seed: int) -> tuple[list, list[dict | list[int]]]:
+    """The programs of `batch` that compile, as message-token prompts, with an unrelated plain prompt at
+    index 1 (so a batch mixes programs and ordinary requests) -> (kept programs, prompts)."""
+    batch = [b for b in batch if compiles(*b)]
+    rng = random.Random(seed)
+    prompts = [{"message_tokens": s, "cache": c} for s, c in batch]
+    prompts.insert(1, [rng.randrange(384) for _ in range(rng.randint(1, 30))])
+    return batch, prompts
