@@ -226,7 +226,7 @@ def sync() -> None:
 
 
 @contextmanager
-def profiled(enabled: bool) -> Iterator[dict]:
+def profiled(enabled: bool, api_table: bool = False) -> Iterator[dict]:
     """Profile the block on CUDA; afterwards the dict holds wall_s and the GPU busy fractions (None on CPU
     or when disabled)."""
     found: dict = {"gpu_busy": None, "gpu_kernel_sum_fraction": None}
@@ -247,8 +247,59 @@ def profiled(enabled: bool) -> Iterator[dict]:
         found["wall_s"] = wall = time.perf_counter() - start
     try:  # a measurement, not the benchmark: never lose the run to a profiler quirk
         found.update(gpu_busy(prof, wall))
+        if api_table:
+            print_api_time(prof, wall)
     except Exception as exc:  # noqa: BLE001
         print(f"WARNING: could not read the profile: {exc!r}", flush=True)
+
+
+def print_api_time(prof, wall_s: float, top: int = 14) -> None:
+    """Where the host threads spent the profiled block: CUDA runtime calls (a long cudaMemcpyAsync or
+    cudaStreamSynchronize is the host waiting for the device) and the ops with the most self CPU time."""
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    print(f"--- host time by op/runtime call (wall {wall_s * 1e3:.0f} ms): name | calls | self CPU ms")
+    for e in rows[:top]:
+        print(f"{e.key[:60]} | {e.count} | {e.self_cpu_time_total / 1e3:.1f}")
+    api = [e for e in rows if e.key.startswith("cuda")]
+    print("--- CUDA runtime calls: name | calls | CPU ms")
+    for e in api[:top]:
+        print(f"{e.key[:60]} | {e.count} | {e.self_cpu_time_total / 1e3:.1f}")
+
+
+@contextmanager
+def sync_warnings(enabled: bool) -> Iterator[None]:
+    """torch's sync debug mode during the block: print each place in minakv that synchronised the host
+    with the device (a hidden sync stalls the overlap loop), with its count."""
+    if not enabled or DEVICE != "cuda":
+        yield
+        return
+    import traceback
+    import warnings
+    from collections import Counter
+
+    seen: Counter = Counter()
+    old = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [
+            f for f in traceback.extract_stack()[:-1] if "minakv" in f.filename or "bench" in f.filename
+        ]
+        where = " < ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[-3:][::-1])
+        seen[f"{str(message)[:50]} @ {where}"] += 1
+
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old
+        print(f"--- host<->device syncs in the block: {sum(seen.values())}")
+        for k, n in seen.most_common(20):
+            print(f"{n:6d}  {k}")
 
 
 def gpu_busy(prof, wall_s: float) -> dict:
@@ -346,7 +397,11 @@ def run_mode(model, mode: str, args: argparse.Namespace, kv_tokens: int | None, 
     records = asyncio.run(run_agents(engine, agents, range(args.rounds - 1), args))
     stats1 = engine.stats()
     sampler = sample_thread(engine._thread) if args.sample_host else nullcontext({})
-    with profiled(not args.no_profile) as prof, sampler as host:
+    with (
+        profiled(not args.no_profile, args.api_table) as prof,
+        sampler as host,
+        sync_warnings(args.sync_debug),
+    ):
         last = asyncio.run(run_agents(engine, agents, range(args.rounds - 1, args.rounds), args))
     if host:
         print_samples(host, f"{mode}, last round")
@@ -439,6 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-profile", action="store_true", help="do not profile the last round")
     p.add_argument("--sample-host", action="store_true", help="sample the engine thread in the last round")
+    p.add_argument("--api-table", action="store_true", help="print host time by op and CUDA runtime call")
+    p.add_argument("--sync-debug", action="store_true", help="report host-device syncs in the last round")
     p.add_argument("--host-only", action="store_true", help="no model compute: time the host's work alone")
     args = p.parse_args(argv)
     for name, (full, tiny) in SIZES.items():
