@@ -7,8 +7,8 @@ part of each expert's output, so it is weighted like the rest. The gate/up rows 
 (minakv.ops.moe); the loader de-interleaves the checkpoint's even (gate) / odd (up) layout.
 
 Under expert or tensor parallelism (minakv/parallel/) a rank's `GptOssExperts` holds its block of experts
-and its slice of their intermediate dim; the router stays whole, and the block's output is summed over
-the ranks.
+and its slice of their intermediate dim; the router stays whole, and `run_experts` exchanges the tokens
+with the other ranks (all-to-all) or sums their partial outputs (all-reduce).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from minakv.model.config import ModelConfig
 from minakv.model.layers import CausalLM
 from minakv.ops.moe import moe, route_softmax_topk
 from minakv.ops.mxfp4_moe import moe_mxfp4
-from minakv.parallel.experts import local_experts
+from minakv.parallel.experts import run_experts
 from minakv.parallel.group import SINGLE, Parallel
 from minakv.parallel.shard import local_config
 
@@ -73,9 +73,7 @@ class GptOssMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_topk(self.router(x), self.top_k)
-        first, count = self.parallel.expert_range(self.num_experts)
-        out = local_experts(self.experts, x, weights, ids, first, count, self.num_experts)
-        return self.parallel.all_reduce(out)
+        return run_experts(self.experts, x, weights, ids, self.num_experts, self.parallel)
 
 
 class GptOssModel(CausalLM):

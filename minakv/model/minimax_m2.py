@@ -17,7 +17,7 @@ from minakv.model.layers import CausalLM, fp8_resident
 from minakv.ops.fp8_moe import moe_fp8
 from minakv.ops.fp8_tile import KEYS
 from minakv.ops.moe import moe, route_sigmoid_bias
-from minakv.parallel.experts import local_experts
+from minakv.parallel.experts import run_experts
 from minakv.parallel.group import SINGLE, Parallel
 from minakv.parallel.shard import local_config
 
@@ -60,9 +60,7 @@ class MiniMaxM2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_sigmoid_bias(self.gate(x), self.e_score_correction_bias, self.top_k)
-        first, count = self.parallel.expert_range(self.num_experts)
-        out = local_experts(self.experts, x, weights, ids, first, count, self.num_experts)
-        return self.parallel.all_reduce(out)
+        return run_experts(self.experts, x, weights, ids, self.num_experts, self.parallel)
 
 
 class MiniMaxM2Model(CausalLM):

@@ -1,21 +1,24 @@
-"""Expert parallelism, the simple form: every rank sees every token, runs the (token, expert) pairs whose
-expert it holds, and the MoE block's all-reduce sums the ranks' partial outputs.
+"""Expert parallelism: `run_experts` gives the whole MoE output on every rank, from the rank's block of
+experts, in one of two forms (docs/parallel.md):
+
+- all-to-all (`Parallel.expert_dispatch == "all_to_all"`, the default, eager steps only): each rank takes
+  1/world of the tokens, sends each (token, expert) pair to the ranks holding the expert, gets the results
+  back, combines its tokens and all-gathers them (minakv/parallel/dispatch.py, which also counts the bytes).
+- all-reduce (`"all_reduce"`, and always while a CUDA graph is captured, or with ep = 1, where every rank
+  holds every expert and tensor parallelism splits their I): every rank runs the pairs of all tokens whose
+  expert it holds, and an all-reduce sums the ranks' partial outputs:
 
     tokens (replicated)   router (replicated)   rank r: pairs with an expert in [first, first + count)
       x [T, H]        ->  ids, weights [T, k] ->  out_r [T, H] (zero where no pair is local)
                                                     all-reduce: out = sum_r out_r
 
-This costs one all-reduce of [T, H] per layer (the same as tensor parallelism) and no dispatch: the
-all-to-all form (send each token only to the ranks of its experts, then send the results back) moves
-k / ep of the tokens instead of all of them and would also split the router and attention by tokens
-(data parallel), but needs variable-size exchanges. That is the next step, not built.
-
-Two ways to run only the local pairs:
-- `compact` (eager): gather the local pairs (a host sync to learn how many) and run them as k = 1
-  routing, so each rank computes ~k/ep pairs per token.
-- masked (while a CUDA graph is being captured, where shapes must not depend on data): every pair stays,
-  the foreign ones get weight 0 and local expert 0. The sum is exact (a weight of 0 adds 0), at the price
-  of computing the foreign pairs too: fine for decode's few tokens, wasteful for prefill.
+  One all-reduce of [T, H] per layer, the same as tensor parallelism. Two ways to run only the local pairs
+  (`local_experts`):
+  - `compact` (eager): gather the local pairs (a host sync to learn how many) and run them as k = 1
+    routing, so each rank computes ~k/ep pairs per token.
+  - masked (while a CUDA graph is being captured, where shapes must not depend on data): every pair stays,
+    the foreign ones get weight 0 and local expert 0. The sum is exact (a weight of 0 adds 0), at the
+    price of computing the foreign pairs too: fine for decode's few tokens, wasteful for prefill.
 """
 
 from __future__ import annotations
@@ -24,7 +27,30 @@ from collections.abc import Callable
 
 import torch
 
+from minakv.parallel.dispatch import dispatch_experts
+from minakv.parallel.group import Parallel
+
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weights, ids) -> out
+
+
+def run_experts(
+    experts: Experts,
+    x: torch.Tensor,  # [T, H], the same on every rank
+    weights: torch.Tensor,  # [T, k] float32
+    ids: torch.Tensor,  # [T, k], global expert ids
+    num_experts: int,
+    parallel: Parallel,
+) -> torch.Tensor:
+    """The MoE output [T, H] in x's dtype, the same on every rank; `experts` holds this rank's share."""
+    if parallel.ep > 1 and parallel.expert_dispatch == "all_to_all" and not capturing(x):
+        return dispatch_experts(experts, x, weights, ids, num_experts, parallel)
+    first, count = parallel.expert_range(num_experts)
+    return parallel.all_reduce(local_experts(experts, x, weights, ids, first, count, num_experts))
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """Is a CUDA graph being captured on x's stream (shapes must not depend on data)?"""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def local_experts(
@@ -43,7 +69,7 @@ def local_experts(
     local = ids - first
     mine = (local >= 0) & (local < count)
     if compact is None:
-        compact = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        compact = not capturing(x)
     if not compact:
         return experts(x, torch.where(mine, weights, 0.0), torch.where(mine, local, 0))
     tokens, slots = mine.nonzero(as_tuple=True)

@@ -18,9 +18,10 @@ calls). Two numbers say how it is cut:
                         experts all,    experts E/2..E, whole   experts E/2..E, whole
                         rows I/2..I
 
-Every rank sees every token. After attention (when tp > 1) and after the MoE (when world > 1) an
-all-reduce sums the partial outputs, so every rank ends each layer with the same hidden states. At world
-1 every collective is a no-op and the model is exactly the single-device one.
+Every rank sees every token. After attention (when tp > 1) an all-reduce sums the partial outputs; the
+MoE block ends with an all-reduce of partial outputs or (ep > 1, `expert_dispatch="all_to_all"`) an
+all-to-all exchange of its tokens and an all-gather (experts.py), so every rank ends each layer with the
+same hidden states. At world 1 every collective is a no-op and the model is exactly the single-device one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+EXPERT_DISPATCH = ("all_to_all", "all_reduce")
 
 
 class ParallelError(ValueError):
@@ -41,6 +44,9 @@ class Parallel:
     tp: int = 1  # tensor_parallel_size: attention heads split this many ways (1 or world)
     ep: int = 1  # expert_parallel_size: experts split this many ways (divides world)
     group: dist.ProcessGroup | None = None  # None: the default group (only used when world > 1)
+    # How the MoE block's ranks meet when ep > 1 (experts.py): "all_to_all" sends each token to the ranks
+    # of its experts and back (eager steps; a CUDA graph capture falls back), "all_reduce" sums partials.
+    expert_dispatch: str = "all_to_all"
 
     def __post_init__(self) -> None:
         world = self.world
@@ -53,6 +59,8 @@ class Parallel:
                 f"tensor_parallel_size {self.tp}, expert_parallel_size {self.ep}: attention is split over all "
                 f"{world} ranks or none, and the experts over a divisor of {world}"
             )
+        if self.expert_dispatch not in EXPERT_DISPATCH:
+            raise ParallelError(f"expert_dispatch {self.expert_dispatch!r} is not one of {EXPERT_DISPATCH}")
         if not 0 <= self.rank < world:
             raise ParallelError(f"rank {self.rank} is outside a world of {world}")
         if world > 1 and dist.is_initialized() and dist.get_world_size(self.group) != world:

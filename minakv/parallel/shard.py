@@ -23,11 +23,14 @@ front, naming the size that does not divide.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
-from minakv.model.config import ModelConfig
 from minakv.parallel.group import Parallel, ParallelError
+
+if TYPE_CHECKING:  # only the hints: importing minakv.model here would import this module back
+    from minakv.model.config import ModelConfig
 
 FP8_BLOCK, MXFP4_GROUP = 128, 32
 COLUMN = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
