@@ -32,9 +32,11 @@ class EngineConfig:
     expert_parallel_size: int = 1  # experts split this many ways: a divisor of the world
     # None: the worker runs in the engine's process (unless tp/ep > 1: then worker processes on cuda:0..world-1,
     # or all on "cpu"). One list (e.g. prefill_devices=["cpu"] or ["cuda:0"]): the model and its KV run in
-    # worker processes the engine starts and supervises (minakv/worker/process.py). Both lists: prefill and
-    # decode worker processes (minakv/worker/disagg.py), the same device allowed. A list names one device
-    # per rank (world entries), or one device for every rank (CPU only: NCCL takes one GPU per rank).
+    # worker processes the engine starts and supervises (minakv/worker/process.py). Both lists: pools of
+    # prefill and decode worker processes (minakv/worker/disagg.py), the same device allowed. A worker
+    # takes one device per rank (world entries), or one device for every rank (CPU only: NCCL takes one GPU
+    # per rank); with both lists, each names N (M) workers' devices one after another: N * world entries,
+    # e.g. ["cpu", "cpu"] for two prefill workers at world 1.
     prefill_devices: list[str] | None = None
     decode_devices: list[str] | None = None
 
@@ -57,19 +59,24 @@ class EngineConfig:
         world = self.world
         for name in ("prefill_devices", "decode_devices"):
             devices = getattr(self, name)
-            if devices is not None and len(devices) not in (1, world):
+            if devices is None:
+                continue
+            pool = self.disaggregated and len(devices) % world == 0  # N workers of world ranks each
+            if len(devices) not in (1, world) and not pool:
                 raise ValueError(
                     f"{name} must name exactly one device per rank ({world} under tensor_parallel_size="
                     f"{self.tensor_parallel_size}, expert_parallel_size={self.expert_parallel_size}), or one "
-                    f"device for all ranks; N:M worker pools are not built; got {devices!r}"
+                    f"device for all ranks; with both lists, {world} per worker of a pool (N * {world}); a "
+                    f"list alone is one worker; got {devices!r}"
                 )
-            if devices is not None and world > 1 and len(devices) == 1 and devices[0].startswith("cuda"):
+            if world > 1 and len(devices) == 1 and devices[0].startswith("cuda"):
                 raise ValueError(
                     f"{name}: {world} ranks on one GPU ({devices[0]}) is not built (NCCL takes one GPU per "
                     f"rank); name {world} devices"
                 )
-            if devices is not None and devices[0].startswith("cuda") and len(set(devices)) < len(devices):
-                raise ValueError(f"{name}: the ranks of one role need distinct GPUs, got {devices!r}")
+            for member in self.pool_devices(devices):
+                if member[0].startswith("cuda") and len(set(member)) < len(member):
+                    raise ValueError(f"{name}: the ranks of one worker need distinct GPUs, got {devices!r}")
         if self.disaggregated:
             kinds = {d.split(":")[0] for d in [*self.prefill_devices, *self.decode_devices]}
             if len(kinds) != 1:  # one process group has one backend: gloo for CPU tensors, NCCL for CUDA
@@ -101,6 +108,14 @@ class EngineConfig:
         if device.startswith("cuda"):
             return [f"cuda:{r}" for r in range(self.world)] if self.world > 1 else [device]
         return [device] * self.world
+
+    def pool_devices(self, devices: list[str] | None) -> list[list[str]]:
+        """The workers of a pool, each with one device per rank: `world` entries per worker, one after
+        another (a single device stands for every rank of one worker)."""
+        if not devices or len(devices) == 1:
+            return [self.role_devices(devices)]
+        w = self.world
+        return [list(devices[i : i + w]) for i in range(0, len(devices), w)]
 
     @property
     def disaggregated(self) -> bool:

@@ -2,13 +2,13 @@
 
 The parent (minakv/worker/ranks.py) spawns it and reads its answers: first `Ready` (or `Failed`: a bad
 model name, say), then one answer per step, in order. A step is a `ForwardBatch` for a worker doing both
-prefill and decode, or a `Part` for one side of a prefill/decode pair (minakv/worker/transfer.py).
+prefill and decode, or a `Part` for one worker of the prefill and decode pools (minakv/worker/transfer.py).
 
-Under tensor / expert parallelism a role is `w = max(tp, ep)` ranks: this child is rank `rank % w` of its
-role, holds that share of the model (minakv/parallel/) and runs every step the role gets, so the ranks meet
-at the same collectives. Every rank samples (the next step's inputs reference the samples, on each rank);
-rank 0 answers with the tokens, the others with None. A pair's two roles each get a subgroup, and prefill
-rank i sends its own kv heads to decode rank i.
+Under tensor / expert parallelism a worker is `w = max(tp, ep)` ranks: this child is rank `rank % w` of
+worker `rank // w`, holds that share of the model (minakv/parallel/) and runs every step the worker gets, so
+the ranks meet at the same collectives. Every rank samples (the next step's inputs reference the samples, on
+each rank); rank 0 answers with the tokens, the others with None. Each worker of the pools gets a subgroup,
+and its rank i trades its own kv heads with rank i of the other workers.
 
 A step that raises is answered `Failed` and the child goes on (the engine quarantines the step's requests);
 a broken transfer or collective (a peer died, or hangs) ends the child with a fatal `Failed`: its peers are
@@ -83,7 +83,7 @@ def serve(
 ) -> None:
     """The child's main: join the workers' process group, build this rank's share of the model and the
     `Worker` as the in-process engine does, say `Ready`, then serve batches (one worker) or `Part`s (a
-    prefill/decode pair) in order until told to stop (None) or the parent is gone."""
+    worker of the prefill and decode pools) in order until told to stop (None) or the parent is gone."""
     torch.set_num_threads(num_threads)  # the parent's setting (tests run tiny models on one thread)
     try:
         device = torch.device(config.device)
@@ -100,11 +100,10 @@ def serve(
         stage = backend == "gloo" and device.type == "cuda"
         w = config.world
         peer = None
-        if world > w:  # a prefill/decode pair: prefill rank i <-> decode rank i, each with its own kv heads
-            prefill = rank < w
-            peer = Peer(
-                worker, prefill, rank + w if prefill else rank - w, config.page_size, num_pages, stage
-            )
+        if (
+            world > w
+        ):  # prefill and decode workers: rank i of one trades with rank i of another (its kv heads)
+            peer = Peer(worker, rank // w, w, config.page_size, num_pages, stage)
         dist.barrier(device_ids=[device.index or 0] if backend == "nccl" else None)
         results.send((0, Ready(model.config, num_pages, per_token, max_model_len)))
     except BaseException as exc:  # noqa: BLE001 (whatever it is, the parent must hear of it)
@@ -136,7 +135,7 @@ def serve(
 
 
 def role_parallel(config: EngineConfig, rank: int, world: int) -> tuple[Parallel, int]:
-    """This rank's place in its role's model: (its `Parallel`, its rank in the role). A pair's roles each
+    """This rank's place in its worker's model: (its `Parallel`, its rank in the worker). Pools' workers each
     get a subgroup; every process creates every group, in the same order (`new_group` is collective)."""
     w = config.world
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size

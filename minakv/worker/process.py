@@ -3,8 +3,8 @@
 `Engine(model, prefill_devices=["cpu"])` (or `decode_devices` alone; any one device) runs the model, the KV
 tensors and the `Worker` in a spawned child process; the engine's thread keeps the scheduler and talks to
 the child through `WorkerProcess`, which has the worker's interface (`launch(batch) -> handle`,
-`collect(handle) -> result`). With both device lists the engine runs a prefill and a decode child instead
-(minakv/worker/disagg.py). Under tensor / expert parallelism (`tensor_parallel_size`,
+`collect(handle) -> result`). With both device lists the engine runs pools of prefill and decode children
+instead (minakv/worker/disagg.py). Under tensor / expert parallelism (`tensor_parallel_size`,
 `expert_parallel_size`) the one worker is `world = max(tp, ep)` children, ranks of one group that each hold
 their share of the model and its KV (minakv/parallel/); every rank gets every batch (minakv/worker/ranks.py):
 
@@ -28,9 +28,9 @@ parent died exits within a second. Children are daemons: multiprocessing termina
 exit; `close()` stops them.
 
 `torch.distributed`: the children join one process group (NCCL on CUDA, gloo on CPU, the same code) and
-wait at a barrier until every one holds its model and its KV. One worker is a group of `world` ranks; a
-prefill/decode pair is `2 * world` ranks, the prefill side first, which send KV to each other
-(minakv/worker/transfer.py). The parent stays out of it: it has no device, and NCCL needs one per rank.
+wait at a barrier until every one holds its model and its KV. One worker is a group of `world` ranks; N
+prefill and M decode workers are `(N + M) * world` ranks, the prefill workers first, which send KV to each
+other (minakv/worker/transfer.py). The parent stays out of it: it has no device, and NCCL needs one per rank.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class WorkerProcess:
     def _start(self, kv_cache_tokens: int | None) -> None:
         self._seq = 0
         config = replace(self.config, kv_cache_tokens=kv_cache_tokens)
-        (self.ranks,), readies = start_roles(config, [("worker", self.devices)])
+        (self.ranks,), readies = start_roles(config, [("worker", None, self.devices)])
         ready = readies[0]
         self.model = RemoteModel(ready.model_config)
         self.num_pages = min(r.num_pages for r in readies)
@@ -143,16 +143,21 @@ class WorkerProcess:
         logger.info("worker process(es) %s on %s: %d KV pages", self.pids, self.devices, self.num_pages)
 
 
-def start_roles(config: EngineConfig, roles: list[tuple[str, list[str]]]) -> tuple[list[list[Child]], list]:
-    """Spawn every role's ranks into one group (ranks numbered role after role) and wait for every `Ready`.
-    Processes that share a GPU share its memory: each sizes its pool from a share of the free memory."""
-    devices = [d for _, ds in roles for d in ds]
+def start_roles(
+    config: EngineConfig, roles: list[tuple[str, int | None, list[str]]]
+) -> tuple[list[list[Child]], list]:
+    """Spawn every worker's ranks into one group (ranks numbered worker after worker) and wait for every
+    `Ready`. `roles`: per worker, (role, which member of its pool or None, one device per rank). Processes
+    that share a GPU share its memory: each sizes its pool from a share of the free memory."""
+    devices = [d for _, _, ds in roles for d in ds]
     share = max(devices.count(d) for d in devices)
     if devices[0].startswith("cuda") and share > 1 and config.kv_cache_tokens is None:
         config = replace(config, memory_fraction=config.memory_fraction / share)
     backend, group, world = backend_for(devices), group_address(), len(devices)
     children: list[list[Child]] = []
-    for role, ds in roles:
+    for role, member, ds in roles:
         first = sum(map(len, children))
-        children.append([Child(config, role, d, backend, group, first + i, world) for i, d in enumerate(ds)])
+        children.append(
+            [Child(config, role, d, backend, group, first + i, world, member) for i, d in enumerate(ds)]
+        )
     return children, wait_ready([c for cs in children for c in cs])

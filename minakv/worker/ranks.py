@@ -1,7 +1,7 @@
 """The parent's end of the worker processes: spawn them, feed them, read their answers, notice their death.
 
 Every worker process is a `Child`: one rank of the workers' `torch.distributed` group. One role (a worker
-doing prefill and decode, or the prefill or the decode side of a pair) is `world = max(tp, ep)` ranks that
+doing prefill and decode, or one worker of the prefill or the decode pool) is `world = max(tp, ep)` ranks that
 hold one copy of the model between them (minakv/parallel/). The parent sends every step to every rank of a
 role, in the same order, so the ranks meet at the same collectives; rank 0 answers with the step's
 tokens, the others with `None` (every rank samples the same tokens: each needs them for the next step's
@@ -42,7 +42,8 @@ class WorkerDied(RuntimeError):
 
 class Child:
     """One worker process: spawned, fed over a queue, answering over a pipe. `role` ("worker", "prefill",
-    "decode") and its rank in the role name it in errors; `rank` and `world` place it in the group."""
+    "decode"), `member` (which worker of a pool of several, else None) and its rank in the worker name it in
+    errors; `rank` and `world` place it in the group."""
 
     def __init__(
         self,
@@ -53,6 +54,7 @@ class Child:
         group: str,
         rank: int,
         world: int,
+        member: int | None = None,
     ) -> None:
         ctx = mp.get_context(
             "spawn"
@@ -65,12 +67,14 @@ class Child:
         self.process = ctx.Process(
             target=serve,
             args=(config, child_end, self.batches, torch.get_num_threads(), group, rank, world, backend),
-            name=f"minakv-{role}-{self.role_rank}",
+            name=f"minakv-{role}{'' if member is None else member}-{self.role_rank}",
             daemon=True,
         )
         self.process.start()
         child_end.close()  # only the child holds the writing end: its death is an end of file here
         self.name = "worker process" if role == "worker" else f"{role} worker process"
+        if member is not None:
+            self.name = f"{role} worker {member} process"
         if config.world > 1:
             self.name += f" rank {self.role_rank}"
 

@@ -85,22 +85,72 @@ def pages_of(chunks: list, page_size: int) -> np.ndarray:
     return np.unique(np.concatenate(parts) // page_size)
 
 
-def reads_and_writes(
-    prefill: ForwardBatch | None, decode: ForwardBatch | None, page_size: int
-) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """Per side, the pages its part reads and the pages it writes. The prefill side reads its segments' keys
-    and its copies' sources, and writes its tokens' slots and its copies' destinations; the decode side reads
-    the keys written into its key table (a whole row when a request starts decoding, then one key a step)
-    and writes its tokens' slots. Keys already in a table row are not read again here: a decoding request's
-    pages never change on the other side (docs/workers.md)."""
-    empty = np.zeros(0, dtype=np.int64)
-    p = (empty, empty)
-    if prefill is not None:
-        p = (
-            pages_of([*prefill.seg_kv_slots, *prefill.rerotate[0]], page_size),
-            pages_of([prefill.slots, *prefill.rerotate[1]], page_size),
-        )
-    d = (empty, empty)
-    if decode is not None:
-        d = (pages_of(decode.table_writes[2], page_size), pages_of([decode.slots], page_size))
-    return p, d
+def prefill_pages(part: ForwardBatch, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the pages a prefill part reads, the pages it writes): it reads its segments' keys and its copies'
+    sources, and writes its tokens' slots and its copies' destinations."""
+    return (
+        pages_of([*part.seg_kv_slots, *part.rerotate[0]], page_size),
+        pages_of([part.slots, *part.rerotate[1]], page_size),
+    )
+
+
+def decode_pages(part: ForwardBatch, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the pages a decode part reads, the pages it writes): it reads the keys written into its key table (a
+    whole row when a request starts decoding, then one key a step) and writes its tokens' slots. Keys already
+    in a table row are not read again here: a decoding request's pages never change elsewhere
+    (docs/workers.md)."""
+    return pages_of(part.table_writes[2], page_size), pages_of([part.slots], page_size)
+
+
+# ----- cutting a part further, for pools of workers (minakv/worker/placement.py chooses the cut) -----
+def take_decodes(part: ForwardBatch, tokens: list[int]) -> tuple[ForwardBatch, list[int]]:
+    """The decode queries `tokens` (indices into the decode part, in order) with their rows' table writes and
+    their sample rows -> (the smaller part, the indices of its samples among the part's samples)."""
+    rows = {part.decode_rows[i] for i in tokens}
+    keep = [j for j, chunk in enumerate(part.table_writes[0]) if len(chunk) and int(chunk[0]) in rows]
+    sub = ForwardBatch(
+        input_ids=[part.input_ids[i] for i in tokens],
+        positions=[part.positions[i] for i in tokens],
+        slots=[part.slots[i] for i in tokens],
+        num_decode=len(tokens),
+        decode_rows=[part.decode_rows[i] for i in tokens],
+        decode_lens=[part.decode_lens[i] for i in tokens],
+        table_writes=tuple([column[j] for j in keep] for column in part.table_writes),
+    )
+    return sub, _take_samples(sub, part, {old: new for new, old in enumerate(tokens)})
+
+
+def take_prefill(part: ForwardBatch, pieces: list[int], copies: list[int]) -> tuple[ForwardBatch, list[int]]:
+    """The segment pieces `pieces` and the re-rotation chunks `copies` of a prefill part (in order), with the
+    sample rows of their tokens -> (the smaller part, the indices of its samples among the part's samples)."""
+    q = part.seg_q_indptr
+    tokens = [t for p in pieces for t in range(q[p], q[p + 1])]
+    sub = ForwardBatch(
+        input_ids=[part.input_ids[t] for t in tokens],
+        positions=[part.positions[t] for t in tokens],
+        slots=[part.slots[t] for t in tokens],
+        seg_q_indptr=np.cumsum([0] + [q[p + 1] - q[p] for p in pieces]).tolist(),
+        seg_kv_indptr=np.cumsum([0] + [len(part.seg_kv_slots[p]) for p in pieces]).tolist(),
+        seg_kv_slots=[part.seg_kv_slots[p] for p in pieces],
+        seg_kv_pos=[part.seg_kv_pos[p] for p in pieces],
+        rerotate=tuple([column[c] for c in copies] for column in part.rerotate),
+    )
+    return sub, _take_samples(sub, part, {old: new for new, old in enumerate(tokens)})
+
+
+def _take_samples(sub: ForwardBatch, part: ForwardBatch, new_row: dict[int, int]) -> list[int]:
+    """Give `sub` the sample rows of `part` whose token it kept (renumbered by `new_row`), with their
+    parameters, penalty-table resets and grammar masks; returns their indices among `part`'s samples."""
+    keep = [j for j, row in enumerate(part.sample_rows) if row in new_row]
+    sub.sample_rows = [new_row[part.sample_rows[j]] for j in keep]
+    sub.sample_params = [part.sample_params[j] for j in keep]
+    sub.sample_seeds = [part.sample_seeds[j] for j in keep]
+    sub.sample_counters = [part.sample_counters[j] for j in keep]
+    sub.sample_penalty_rows = [part.sample_penalty_rows[j] for j in keep]
+    penalised = set(sub.sample_penalty_rows) - {-1}  # (a reset always comes with its row's sample)
+    sub.penalty_resets = [x for x in part.penalty_resets if x[0] in penalised]
+    index = {j: i for i, j in enumerate(keep)}
+    masks = [(index[s], m) for m, s in enumerate(part.mask_rows) if s in index]
+    sub.mask_rows = [i for i, _ in masks]
+    sub.token_mask = part.token_mask[[m for _, m in masks]] if masks else None
+    return keep
