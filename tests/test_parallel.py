@@ -47,6 +47,7 @@ FP8 = {
 CASES = {  # name -> (preset, "fp8-dummy" or "fp8-checkpoint", tp, ep, run the engine)
     "gpt-oss-tp2": ("tiny-gpt-oss", 2, 1, True),
     "gpt-oss-ep2": ("tiny-gpt-oss", 1, 2, True),
+    "gpt-oss-ep2-all-reduce": ("tiny-gpt-oss", 1, 2, False),
     "gpt-oss-tp2-ep2": ("tiny-gpt-oss", 2, 2, True),
     "minimax-tp2": ("tiny-minimax-m2", 2, 1, True),
     "minimax-ep2": ("tiny-minimax-m2", 1, 2, True),
@@ -57,6 +58,7 @@ CASES = {  # name -> (preset, "fp8-dummy" or "fp8-checkpoint", tp, ep, run the e
     "minimax-fp8-dummy-tp2": ("fp8-dummy", 2, 1, False),
     "minimax-fp8-checkpoint-tp2": ("fp8-checkpoint", 2, 1, True),
 }
+DISPATCH = {"gpt-oss-ep2-all-reduce": "all_reduce"}  # the others: the default, all-to-all under EP
 
 
 def fp8_checkpoint() -> Path:
@@ -132,7 +134,7 @@ def rank_main(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     results = {}
     for name, (model, tp, ep, engine) in CASES.items():
-        sharded = make(model, Parallel(rank, tp, ep))
+        sharded = make(model, Parallel(rank, tp, ep, expert_dispatch=DISPATCH.get(name, "all_to_all")))
         result = {"logits": forward_logits(sharded), "kv_heads": sharded.kv_heads}
         if engine:
             e = Engine(sharded, **ENGINE)
