@@ -28,9 +28,9 @@ same, and the all-gather (ring) (w - 1) / w * T * H * b. With moe_tp = 1 and n =
 
 plus w * E / ep int64 counts and one host sync to read them. So while attention is replicated the
 all-to-all form moves more bytes than the all-reduce for k > ep / 2 (GPT-OSS k = 4, MiniMax-M2 k = 8);
-what it saves is compute (each rank combines only its T / w tokens) and, once attention is data parallel
-(every rank its own requests), the all-gather and the replicated tokens altogether: then it moves
-2 * k / ep of a [T, H] per layer, against the all-reduce's 2.
+it saves little compute (each rank combines only its T / w tokens). Its gain comes once attention is data
+parallel (every rank its own requests): no replicated tokens and no all-gather, 2 * k / ep of a [T, H]
+per layer.
 
 Shapes depend on the routing (the split sizes), so this runs only eagerly; a CUDA graph captures the
 masked all-reduce form (minakv/parallel/experts.py).
