@@ -57,10 +57,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=positive, default=None, help="requests decoding at once")
     p.add_argument("--prefill-devices", type=devices, default=None,
                    help="run prefill in worker processes on these devices (one per rank, comma-separated); "
-                        "alone: one worker does prefill and decode")  # fmt: skip
+                        "alone: one worker does prefill and decode; with --decode-devices: a pool of prefill "
+                        "workers, world devices each (cpu,cpu: two workers at world 1)")  # fmt: skip
     p.add_argument("--decode-devices", type=devices, default=None,
-                   help="with --prefill-devices: separate decode worker processes on these devices (the "
-                        "same devices allowed), KV sent between the two (docs/workers.md)")  # fmt: skip
+                   help="with --prefill-devices: a pool of decode workers on these devices (world devices "
+                        "each; the same devices allowed), KV sent between the workers (docs/workers.md)")  # fmt: skip
     p.add_argument("--tensor-parallel-size", type=positive, default=1,
                    help="split attention heads over this many worker processes (ranks; docs/parallel.md)")  # fmt: skip
     p.add_argument("--expert-parallel-size", type=positive, default=1,
