@@ -82,17 +82,11 @@ class DisaggWorkers:
     def launch(self, batch: ForwardBatch) -> PoolHandle:
         check_alive(self.children)
         self._seq += 1
-        seq, ps = self._seq, self.config.page_size
+        seq = self._seq
         parts, order = self._cut(batch)
         views, samples = self._renumber(seq, parts)
-        reads, writes = [], []
-        for h, part in enumerate(parts):
-            empty = np.zeros(0, dtype=np.int64)
-            used = (empty, empty) if part is None else (
-                decode_pages(part, ps) if h in self.decode else prefill_pages(part, ps))  # fmt: skip
-            reads.append(used[0])
-            writes.append(used[1])
-        plan = self.coherence.plan(reads, writes)
+        used = [self._pages(h, part) for h, part in enumerate(parts)]
+        plan = self.coherence.plan([reads for reads, _ in used], [writes for _, writes in used])
         self._count(plan)
         transfers = [
             Transfer(src, dst, plan.sends.get((src, dst)), samples.get((src, dst), 0))
@@ -133,9 +127,8 @@ class DisaggWorkers:
         prefill, decode = split_batch(batch)
         parts: list[ForwardBatch | None] = [None] * len(self.roles)
         order: list[tuple[int, int]] = []
-        cuts: list[
-            tuple[int, ForwardBatch, list[int]]
-        ] = []  # (worker, its part, its samples' rows in the pool's)
+        # (worker, its part, the rows of its samples among its pool part's samples)
+        cuts: list[tuple[int, ForwardBatch, list[int]]] = []
         ps = self.config.page_size
         if decode is not None:
             if len(self.decode) == 1:
@@ -157,6 +150,13 @@ class DisaggWorkers:
             if part.num_tokens or part.num_copies or part.table_writes[0] or part.penalty_resets:
                 parts[h] = part
         return parts, order
+
+    def _pages(self, h: int, part: ForwardBatch | None) -> tuple[np.ndarray, np.ndarray]:
+        """(the pages worker h's part reads, the pages it writes)."""
+        if part is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        pages = decode_pages if h in self.decode else prefill_pages
+        return pages(part, self.config.page_size)
 
     @staticmethod
     def _order(cuts: list[tuple[int, ForwardBatch, list[int]]], n: int) -> list[tuple[int, int]]:

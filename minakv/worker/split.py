@@ -10,8 +10,10 @@ the decode worker; the segments, the re-rotation copies and their sample rows to
     prefill    [s0 s0 s0 s1 s1]                 samples 3..4 as 0..1, copies, segment keys
 
 So the step's tokens are the decode part's followed by the prefill part's, in the batch's sample-row order.
-Inputs that reference the previous step's samples (`-(j + 1)`) stay as they are: the decode worker's view of
-the previous step's samples is its own followed by the prefill worker's (minakv/worker/transfer.py).
+With pools of workers, each part is cut further (`take_decodes`, `take_prefill`: the decode queries of some
+rows, the segment pieces and copies of some groups, each with its sample rows); placement.py chooses the
+cut. Inputs that reference the previous step's samples (`-(j + 1)`) are renumbered by the parent against
+what each worker will see (minakv/worker/disagg.py).
 """
 
 from __future__ import annotations
