@@ -49,6 +49,7 @@ import asyncio
 import gc
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -397,14 +398,18 @@ def run_mode(model, mode: str, args: argparse.Namespace, kv_tokens: int | None, 
     records = asyncio.run(run_agents(engine, agents, range(args.rounds - 1), args))
     stats1 = engine.stats()
     sampler = sample_thread(engine._thread) if args.sample_host else nullcontext({})
+    # the agents' own thread shares the GIL with the engine thread: what it does costs the engine time
+    clients = sample_thread(threading.main_thread()) if args.sample_host else nullcontext({})
     with (
         profiled(not args.no_profile, args.api_table) as prof,
         sampler as host,
+        clients as client_host,
         sync_warnings(args.sync_debug),
     ):
         last = asyncio.run(run_agents(engine, agents, range(args.rounds - 1, args.rounds), args))
     if host:
         print_samples(host, f"{mode}, last round")
+        print_samples(client_host, f"{mode}, last round, the agents' (main) thread")
     wall = time.perf_counter() - start
     stats2 = engine.stats()
     records += last
@@ -494,6 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-profile", action="store_true", help="do not profile the last round")
     p.add_argument("--sample-host", action="store_true", help="sample the engine thread in the last round")
+    p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s)")
     p.add_argument("--api-table", action="store_true", help="print host time by op and CUDA runtime call")
     p.add_argument("--sync-debug", action="store_true", help="report host-device syncs in the last round")
     p.add_argument("--host-only", action="store_true", help="no model compute: time the host's work alone")
@@ -513,6 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.tiny:
         torch.set_num_threads(1)  # tiny ops: thread synchronisation costs more than it saves
+    if args.switch_interval:  # how long a Python thread may hold the GIL while another waits for it
+        sys.setswitchinterval(args.switch_interval)
     _, config = configs(args.layers, args.tiny)
     limit = config.max_position_embeddings
     for mode in args.modes:

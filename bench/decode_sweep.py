@@ -63,6 +63,37 @@ def graph_replay_ms(engine: Engine, batch: int, keys: int) -> float | None:
     return float(triton.testing.do_bench(g.graph.replay, warmup=10, rep=100, return_mode="median"))
 
 
+def kernel_table(engine: Engine, batch: int, keys: int, replays: int = 20, top: int = 24) -> None:
+    """Print the kernels of one decode step's graph at `batch`: where the step's device time goes (each
+    launch costs a few microseconds even when it moves almost no bytes)."""
+    graphs = engine.worker.graphs
+    fits = [(b, k) for b, k in (graphs.graphs if graphs is not None else {}) if b >= batch and k >= keys]
+    if not fits:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    g = graphs.graphs[min(fits)]
+    g.graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.graph.replay()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in rows) / replays
+    launches = sum(e.count for e in rows) / replays
+    print(
+        f"\n--- batch {batch}: {launches:.0f} kernels per step, {total / 1e3:.3f} ms of kernel time per step"
+    )
+    print("kernel | per step | us per step | us each")
+    for e in rows[:top]:
+        n = e.count / replays
+        print(
+            f"{e.key[:70]} | {n:.0f} | {e.device_time_total / replays:.1f} | {e.device_time_total / e.count:.2f}"
+        )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", help="batch sizes (default 1,16,64,128,256)")
@@ -72,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="best of this many differences (default 2)")
     p.add_argument("--no-profile", action="store_true", help="(ignored; kept for old command lines)")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--kernels", action="store_true", help="print each batch's decode-step kernels (CUDA)")
     p.add_argument("--temperature", type=float, default=1.0, help="of the sampled mode")
     p.add_argument("--top-p", type=float, default=0.9, help="of the sampled mode")
     p.add_argument("--layers", type=int, default=24)
@@ -159,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         log.add("decode_sweep", **row)
     log.save("decode_sweep.json")
+    if args.kernels and DEVICE == "cuda":
+        for batch in args.batches:
+            kernel_table(engine, batch, args.prompt + args.n2)
     print(f"\n=== decode sweep, {args.dummy or f'{args.layers} layers'}, prompt {args.prompt}, {env} ===")
     print("batch | mode | ms/step | tok/s | of bytes bound | sampled/greedy | GPU busy (graph replay / step)")
     for r in rows.values():

@@ -65,7 +65,7 @@ def sample_thread(thread: threading.Thread, interval: float = 0.002) -> Iterator
 
 
 def print_samples(found: dict, title: str) -> None:
-    print(f"\n--- {title}: {found['samples']} samples of the engine thread over {found['wall_s']:.2f} s ---")
+    print(f"\n--- {title}: {found['samples']} samples over {found['wall_s']:.2f} s ---")
     for name, frac in found["top"].items():
         print(f"{frac:7.3f}  {name}")
     print("innermost:")

@@ -142,6 +142,16 @@ def _add_rms_norm() -> None:
         add_rms_norm(x, update, torch.randn(size).to(BF16), 1e-5, in_fp32)
 
 
+@case("route_fused")
+def _route_fused() -> None:
+    """GPT-OSS routing in one launch: 20b's 32 experts and 120b's 128, decode batches 1 and 256."""
+    from minakv.ops.routing import route_softmax_topk_fused
+
+    for tokens, experts in ((1, 32), (256, 32), (64, 128)):
+        weight, bias = torch.randn(experts, 2880).to(BF16), torch.randn(experts).to(BF16)
+        route_softmax_topk_fused(torch.randn(tokens, 2880).to(BF16), weight, bias, 4)
+
+
 def _routing(tokens: int, experts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from minakv.ops.moe import route_softmax_topk
 

@@ -158,3 +158,27 @@ def test_kernels_on_cuda(dtype: torch.dtype) -> None:
         rtol=1e-5 if dtype == torch.float32 else BF16_STEP,
         atol=1e-5,
     )
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_sums_moe_parts(dtype: torch.dtype) -> None:
+    """A MoE block's k fp32 parts [T, k, D] are summed in fp32 and rounded to x's dtype before the add, as
+    the block's own `sum(1).to(dtype)` would; the fused MoE's sum_k=False hands exactly those parts over."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 72, generator=gen) * 3).to(dtype)
+    parts = torch.randn(3, 4, 72, generator=gen, dtype=torch.float64)
+    weight = 1 + torch.randn(72, generator=gen)
+    total, normed = add_rms_norm_triton(x, parts.float(), weight, 1e-5, True)
+    update = parts.sum(1).to(dtype)  # the float64 sum, rounded as the MoE's output is
+    ref_total = (x.double() + update.double()).to(dtype)
+    if dtype == torch.float32:  # the kernel's fp32 sum of the parts is within an fp32 ulp of float64's
+        torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=1e-6)
+    else:  # two roundings to bf16 (the sum, then x + it), each may go the other way in the interpreter
+        bound = 2 * BF16_STEP * (x.double().abs() + update.double().abs())
+        assert bool(((total.double() - ref_total.double()).abs() <= bound).all())
+    td = total.double()
+    ref = weight.double() * td * torch.rsqrt(td.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert_close_rel(normed, ref, dtype, 0)
+    with pytest.raises(ValueError, match="update is"):
+        add_rms_norm_triton(x, parts.float()[:, :, :10], weight, 1e-5, True)

@@ -208,7 +208,9 @@ def test_moe_mxfp4_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     taken = []
     for name in ("moe_mxfp4_fused", "moe_mxfp4_grouped"):
         fn = getattr(mxfp4_moe, name)
-        monkeypatch.setattr(mxfp4_moe, name, lambda *a, fn=fn, name=name: taken.append(name) or fn(*a))
+        monkeypatch.setattr(
+            mxfp4_moe, name, lambda *a, fn=fn, name=name, **kw: taken.append(name) or fn(*a, **kw)
+        )
     monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
     assert_matches(moe_mxfp4(*args), ref)
     monkeypatch.setattr(mxfp4_moe, "FUSED_MAX_PAIRS", 4)

@@ -20,6 +20,8 @@ from minakv.model.config import ModelConfig
 from minakv.model.layers import CausalLM
 from minakv.ops.moe import moe, route_softmax_topk
 from minakv.ops.mxfp4_moe import moe_mxfp4
+from minakv.ops.routing import FUSED_MAX_TOKENS, route_softmax_topk_fused
+from minakv.ops.triton_util import use_triton
 from minakv.parallel.experts import run_experts
 from minakv.parallel.group import SINGLE, Parallel
 from minakv.parallel.shard import local_config
@@ -47,6 +49,7 @@ class GptOssExperts(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * i))
         self.down_bias = nn.Parameter(torch.empty(e, h))
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+        self.sum_k = True  # False: the decode kernels may return k parts for the next norm (GptOssMoE)
 
     @property
     def mxfp4(self) -> dict[str, torch.Tensor] | None:
@@ -58,7 +61,7 @@ class GptOssExperts(nn.Module):
         }
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        args = {"activation": "swiglu_oai", "limit": self.limit, "alpha": self.alpha}
+        args = {"activation": "swiglu_oai", "limit": self.limit, "alpha": self.alpha, "sum_k": self.sum_k}
         if self.packed:
             return moe_mxfp4(x, self.mxfp4, weights, ids, self.gate_up_bias, self.down_bias, **args)
         return moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias, **args)
@@ -70,9 +73,15 @@ class GptOssMoE(nn.Module):
         self.top_k, self.num_experts, self.parallel = config.experts_per_tok, config.num_experts, parallel
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=True)
         self.experts = GptOssExperts(local_config(config, parallel))
+        # Alone on its GPU the block may hand its k parts to the next add_rms_norm (DecoderLayer), which
+        # sums them; split over ranks, the partial outputs are summed by a collective first.
+        self.experts.sum_k = parallel.tp > 1 or parallel.ep > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_softmax_topk(self.router(x), self.top_k)
+        if use_triton(x) and x.shape[0] <= FUSED_MAX_TOKENS:  # decode: one launch instead of four
+            weights, ids = route_softmax_topk_fused(x, self.router.weight, self.router.bias, self.top_k)
+        else:
+            weights, ids = route_softmax_topk(self.router(x), self.top_k)
         return run_experts(self.experts, x, weights, ids, self.num_experts, self.parallel)
 
 

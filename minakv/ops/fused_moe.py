@@ -38,11 +38,13 @@ SCAN_MAX_PAIRS = 64  # up to this many pairs the id scan is cheaper than a sort 
 
 
 def moe_fused(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_bias=None,
-              activation="silu", limit=7.0, alpha=1.702, *, sort: bool | None = None, swap_ab: bool = False,
+              activation="silu", limit=7.0, alpha=1.702, *, sum_k: bool = True, sort: bool | None = None,
+              swap_ab: bool = False,
               block_m: int | None = None, block_n: int = 64, block_k: int | None = None,
               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:  # fmt: skip
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype. The keyword-only knobs
-    are for benchmarks and tests (sort None: sort above SCAN_MAX_PAIRS pairs)."""
+    are for benchmarks and tests (sort None: sort above SCAN_MAX_PAIRS pairs). sum_k=False: the k weighted
+    outputs per token unsummed, [T, k, H] fp32."""
     check(
         activation in ACTIVATIONS, f"unknown MoE activation {activation!r} (expected 'silu' or 'swiglu_oai')"
     )
@@ -88,6 +90,8 @@ def moe_fused(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
+    if not sum_k:  # the caller's add_rms_norm sums the k parts (minakv/ops/norm.py)
+        return y.view(num_tokens, k, hidden)
     return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
 
 

@@ -80,11 +80,14 @@ def moe(
     activation: str = "silu",
     limit: float = 7.0,
     alpha: float = 1.702,
+    sum_k: bool = True,
 ) -> torch.Tensor:
-    """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype."""
+    """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype. sum_k=False lets the
+    fused (decode) kernel return the k weighted parts [T, k, H] fp32 instead, for the residual add's norm
+    to sum (minakv/ops/norm.py add_rms_norm): two launches per layer fewer; the other paths sum anyway."""
     args = (x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if use_triton(x) and topk_ids.numel() <= FUSED_MAX_PAIRS:
-        return moe_fused(*args)
+        return moe_fused(*args, sum_k=sum_k)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(F, "grouped_mm"):
         return moe_grouped(*args)
     if x.is_cuda and x.shape[0] * gate_up.shape[0] <= DENSE_MAX_PAIRS:

@@ -62,13 +62,15 @@ def moe_mxfp4(
     activation: str = "silu",
     limit: float = 7.0,
     alpha: float = 1.702,
+    sum_k: bool = True,
 ) -> torch.Tensor:
-    """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype, the experts packed."""
+    """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype, the experts packed.
+    sum_k=False lets the decode kernel return its k parts [T, k, H] fp32 (see `moe`)."""
     args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if not use_triton(x):
         return moe_mxfp4_ref(*args)
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
-        return moe_mxfp4_fused(*args)
+        return moe_mxfp4_fused(*args, sum_k=sum_k)
     return moe_mxfp4_grouped(*args)
 
 
@@ -86,7 +88,7 @@ def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
 
 
 def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
-                    limit=7.0, alpha=1.702, *, block_m: int | None = None, block_n: int = 32,
+                    limit=7.0, alpha=1.702, *, sum_k: bool = True, block_m: int | None = None, block_n: int = 32,
                     block_k: int = 128, num_warps: int = 4, num_stages: int = 3, mode: str = "split",
                     slots: str = "experts") -> torch.Tensor:  # fmt: skip
     """The decode path: two kernels, each chosen expert's packed weights read once. The keyword-only knobs
@@ -139,6 +141,8 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
+    if not sum_k:  # the caller's add_rms_norm sums the k parts (minakv/ops/norm.py)
+        return y.view(num_tokens, k, hidden)
     return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
 
 

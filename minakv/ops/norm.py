@@ -82,12 +82,18 @@ def add_rms_norm(
     x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream's step and the next norm in one pass: (s, rms_norm(s)) with s = x + update in x's
-    dtype. Fused, the sum is rounded to x's dtype before it is normalised, exactly as the two ops apart."""
+    dtype. Fused, the sum is rounded to x's dtype before it is normalised, exactly as the two ops apart.
+
+    `update` may also come as k fp32 parts [..., k, D] (a MoE block's per-expert outputs, already
+    weighted): they are summed in fp32 and rounded to x's dtype first, as the MoE would have returned
+    them, so the block's own sum and cast cost no launches."""
     fn = add_rms_norm_triton if use_triton(x) else add_rms_norm_ref
     return fn(x, update, weight, eps, weight_in_fp32)
 
 
 def add_rms_norm_ref(x, update, weight, eps, weight_in_fp32=True) -> tuple[torch.Tensor, torch.Tensor]:
+    if update.dim() == x.dim() + 1:
+        update = update.float().sum(-2).to(x.dtype)
     total = x + update
     return total, rms_norm_ref(total, weight, eps, weight_in_fp32)
 
@@ -95,16 +101,19 @@ def add_rms_norm_ref(x, update, weight, eps, weight_in_fp32=True) -> tuple[torch
 def add_rms_norm_triton(x, update, weight, eps, weight_in_fp32=True) -> tuple[torch.Tensor, torch.Tensor]:
     size = x.shape[-1]
     check(weight.shape == (size,), f"weight is {tuple(weight.shape)}, expected ({size},)")
-    check(update.shape == x.shape, f"update is {tuple(update.shape)}, x {tuple(x.shape)}")
-    rows, adds = x.reshape(-1, size), update.reshape(-1, size)
-    if rows.stride(-1) != 1 or adds.stride(-1) != 1:
-        rows, adds = rows.contiguous(), adds.contiguous()
+    parts = update.dim() == x.dim() + 1
+    k = update.shape[-2] if parts else 1
+    expected = (*x.shape[:-1], k, size) if parts else x.shape
+    check(update.shape == expected, f"update is {tuple(update.shape)}, x {tuple(x.shape)}")
+    rows, adds = x.reshape(-1, size), update.reshape(-1, k * size)
+    if rows.stride(-1) != 1 or adds.stride(-1) != 1 or (parts and not update.is_contiguous()):
+        rows, adds = rows.contiguous(), update.contiguous().reshape(-1, k * size)
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block = triton.next_power_of_2(size)
         _add_rms_norm_kernel[(rows.shape[0],)](
-            rows, adds, weight, total, out, size, rows.stride(0), adds.stride(0), float(eps),
+            rows, adds, weight, total, out, size, rows.stride(0), adds.stride(0), float(eps), k,
             BLOCK=block, WEIGHT_IN_FP32=weight_in_fp32, num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
     return total.view(x.shape), out.view(x.shape)
@@ -112,7 +121,7 @@ def add_rms_norm_triton(x, update, weight, eps, weight_in_fp32=True) -> tuple[to
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, a_ptr, w_ptr, total_ptr, out_ptr, size, stride_x, stride_a, eps,
+    x_ptr, a_ptr, w_ptr, total_ptr, out_ptr, size, stride_x, stride_a, eps, k,
     BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -121,6 +130,10 @@ def _add_rms_norm_kernel(
     out_ty = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + row * stride_a + offs, mask=ok, other=0.0).to(tl.float32)
+    for j in range(1, k):  # k parts: their fp32 sum, rounded to the stream's dtype like the MoE's output
+        a += tl.load(a_ptr + row * stride_a + j * size + offs, mask=ok, other=0.0).to(tl.float32)
+    if k > 1:
+        a = a.to(out_ty).to(tl.float32)
     s = (x + a).to(out_ty)  # the residual stream keeps x's dtype, as `x + update` does
     tl.store(total_ptr + row * size + offs, s, mask=ok)
     y = _normalize(s.to(tl.float32), w_ptr, offs, ok, size, eps, out_ty, WEIGHT_IN_FP32)
