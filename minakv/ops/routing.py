@@ -3,7 +3,8 @@
 The torch form is four kernels per layer (the router's GEMM with its bias, `topk`, a cast, `softmax`); at
 decode batch 1 each of them is a few microseconds of a launch and almost no bytes, 24 layers over. Here
 one program takes a block of tokens: it computes their logits against the whole router ([E, H], a few
-hundred KB, read from L2 after the first block), rounds them to the activations' dtype exactly as the
+hundred KB, read from L2 after the first block; wide slices of H, since at batch 1 the loop over H is
+the kernel's whole latency: 12.8 us a call with slices of 128 on the H200), rounds them to the activations' dtype exactly as the
 GEMM's output is rounded, picks the k largest by k rounds of (max, first index of it, mask it out), and
 softmaxes those k in fp32.
 
@@ -43,8 +44,8 @@ def route_softmax_topk_fused(
     _route_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
         x, weight, bias if bias is not None else weight, weights, ids, num_tokens, hidden, num_experts, k,
         HAS_BIAS=bias is not None, E_PAD=e_pad, K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_T=BLOCK_T,
-        BLOCK_H=64 if e_pad >= 128 else 128, F32_DOT=x.dtype == torch.float32 or interpreting(),
-        num_warps=4,
+        BLOCK_H=max(32, min(512, 16384 // e_pad)), F32_DOT=x.dtype == torch.float32 or interpreting(),
+        num_warps=8,
     )  # fmt: skip
     return weights, ids
 
