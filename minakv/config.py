@@ -30,6 +30,10 @@ class EngineConfig:
     # worker processes (ranks) per role, which the engine starts and supervises (docs/workers.md).
     tensor_parallel_size: int = 1  # attention heads split this many ways: 1 or the world
     expert_parallel_size: int = 1  # experts split this many ways: a divisor of the world
+    # How the ranks' experts meet (ep > 1, docs/parallel.md): "all_reduce" sums partial outputs (fewer bytes
+    # while attention is replicated: 1.0 against 2.5 T*H*b per layer for GPT-OSS at ep=2), "all_to_all"
+    # sends each token only to its experts' ranks and back, then all-gathers (eager steps).
+    expert_dispatch: str = "all_reduce"
     # None: the worker runs in the engine's process (unless tp/ep > 1: then worker processes on cuda:0..world-1,
     # or all on "cpu"). One list (e.g. prefill_devices=["cpu"] or ["cuda:0"]): the model and its KV run in
     # worker processes the engine starts and supervises (minakv/worker/process.py). Both lists: pools of
@@ -55,7 +59,9 @@ class EngineConfig:
             Parallel,
         )  # (raises ParallelError, a ValueError, for a layout that cannot cut)
 
-        Parallel(0, self.tensor_parallel_size, self.expert_parallel_size)
+        Parallel(
+            0, self.tensor_parallel_size, self.expert_parallel_size, expert_dispatch=self.expert_dispatch
+        )
         world = self.world
         for name in ("prefill_devices", "decode_devices"):
             devices = getattr(self, name)

@@ -248,6 +248,7 @@ class Engine:
         Returns the requests with news (new tokens, or finished). Only one thread steps at a time."""
         batch = self.scheduler.schedule()
         step = (batch, self.worker.launch(batch)) if batch.num_tokens or batch.num_copies else None
+        self.scheduler.prepare()  # while the device runs: plan the requests admission takes next
         previous, self._inflight = self._inflight, step
         changed = self.scheduler.update(previous[0], self.worker.collect(previous[1])) if previous else []
         if not self.config.overlap:

@@ -44,7 +44,8 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0, logprobs=0, ignore_eos=True
 PD = {"prefill_devices": ["cpu"], "decode_devices": ["cpu"]}
 CASES = {  # name -> (preset, engine keywords)
     "gpt-oss-tp2": ("tiny-gpt-oss", {"tensor_parallel_size": 2}),
-    "minimax-ep2": ("tiny-minimax-m2", {"expert_parallel_size": 2}),
+    # the all-to-all expert dispatch through the whole engine (the default, all-reduce, in gpt-oss-ep2)
+    "minimax-ep2": ("tiny-minimax-m2", {"expert_parallel_size": 2, "expert_dispatch": "all_to_all"}),
     "gpt-oss-ep2": ("tiny-gpt-oss", {"expert_parallel_size": 2}),
     "minimax-tp2": ("tiny-minimax-m2", {"tensor_parallel_size": 2}),
     "minimax-pd-tp2": ("tiny-minimax-m2", {"tensor_parallel_size": 2, **PD}),

@@ -1,10 +1,10 @@
 """Expert parallelism: `run_experts` gives the whole MoE output on every rank, from the rank's block of
 experts, in one of two forms (docs/parallel.md):
 
-- all-to-all (`Parallel.expert_dispatch == "all_to_all"`, the default, eager steps only): each rank takes
+- all-to-all (`Parallel.expert_dispatch == "all_to_all"`, eager steps only): each rank takes
   1/world of the tokens, sends each (token, expert) pair to the ranks holding the expert, gets the results
   back, combines its tokens and all-gathers them (minakv/parallel/dispatch.py, which also counts the bytes).
-- all-reduce (`"all_reduce"`, and always while a CUDA graph is captured, or with ep = 1, where every rank
+- all-reduce (`"all_reduce"`, the default: while attention is replicated it moves fewer bytes; and always while a CUDA graph is captured, or with ep = 1, where every rank
   holds every expert and tensor parallelism splits their I): every rank runs the pairs of all tokens whose
   expert it holds, and an all-reduce sums the ranks' partial outputs:
 

@@ -44,9 +44,10 @@ class Parallel:
     tp: int = 1  # tensor_parallel_size: attention heads split this many ways (1 or world)
     ep: int = 1  # expert_parallel_size: experts split this many ways (divides world)
     group: dist.ProcessGroup | None = None  # None: the default group (only used when world > 1)
-    # How the MoE block's ranks meet when ep > 1 (experts.py): "all_to_all" sends each token to the ranks
-    # of its experts and back (eager steps; a CUDA graph capture falls back), "all_reduce" sums partials.
-    expert_dispatch: str = "all_to_all"
+    # How the MoE block's ranks meet when ep > 1 (experts.py): "all_reduce" sums partials (EngineConfig's
+    # default), "all_to_all" sends each token to the ranks of its experts and back (eager steps; a CUDA
+    # graph capture falls back to the all-reduce).
+    expert_dispatch: str = "all_reduce"
 
     def __post_init__(self) -> None:
         world = self.world

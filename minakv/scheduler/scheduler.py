@@ -15,6 +15,7 @@ is recomputed later, usually from those very pages).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 
@@ -298,6 +299,8 @@ class Scheduler:
             if any(x.suspect for x in self.running) or (r.suspect and self.running):
                 break  # a suspect runs alone (see quarantine)
             if r.plan is None:
+                if self.running:  # plan it in `prepare`, while the device runs: a step later, no stall
+                    break
                 self._plan(r)
             a = admission(r, self.kv)
             need = len(a.missing) + 1  # +1: room to decode
@@ -324,6 +327,15 @@ class Scheduler:
             self._ensure_pages(r, r.num_entries)
             queued += self._tokens_left(r)
         return failed
+
+    def prepare(self, limit: int = 2) -> None:
+        """Plan the next waiting requests ahead of their admission. The engine calls this right after
+        launching a step, so planning (a walk over a long history's events: milliseconds) overlaps the
+        device's work instead of holding back the next launch. A plan depends only on the request and the
+        memo, so planning early changes nothing but when it happens."""
+        for r in itertools.islice(self.waiting, limit):
+            if r.plan is None and not r.pending:
+                self._plan(r)
 
     @staticmethod
     def _tokens_left(r: Request) -> int:

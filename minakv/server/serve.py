@@ -67,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-parallel-size", type=positive, default=1,
                    help="split the experts over this many ranks; the world is max(tp, ep) ranks per role, on "
                         "cuda:0.. or the device lists (one device per rank; one 'cpu' for all)")  # fmt: skip
+    p.add_argument(
+        "--expert-dispatch",
+        choices=("all_reduce", "all_to_all"),
+        default="all_reduce",
+        help="how expert-parallel ranks combine the MoE output (docs/parallel.md)",
+    )
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (MiB)")
@@ -107,6 +113,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "expert_parallel_size": args.expert_parallel_size,
+        "expert_dispatch": args.expert_dispatch,
     }
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs

@@ -142,6 +142,8 @@ def role_parallel(config: EngineConfig, rank: int, world: int) -> tuple[Parallel
     if w == 1:
         return SINGLE, 0
     if world == w:  # one role: the whole group
-        return Parallel(rank, tp, ep), rank
+        return Parallel(rank, tp, ep, expert_dispatch=config.expert_dispatch), rank
     groups = [dist.new_group(list(range(start, start + w))) for start in range(0, world, w)]
-    return Parallel(rank % w, tp, ep, group=groups[rank // w]), rank % w
+    return Parallel(
+        rank % w, tp, ep, group=groups[rank // w], expert_dispatch=config.expert_dispatch
+    ), rank % w
