@@ -140,6 +140,8 @@ def _add_rms_norm() -> None:
     for size, in_fp32 in ((2880, True), (3072, False)):
         x, update = torch.randn(2, size).to(BF16), torch.randn(2, size).to(BF16)
         add_rms_norm(x, update, torch.randn(size).to(BF16), 1e-5, in_fp32)
+    # GPT-OSS decode: the MoE's four fp32 parts summed by the norm
+    add_rms_norm(torch.randn(2, 2880).to(BF16), torch.randn(2, 4, 2880), torch.randn(2880), 1e-5, True)
 
 
 @case("route_fused")
