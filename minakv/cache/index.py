@@ -19,6 +19,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
+
+import numpy as np
 
 from minakv.cache.keys import PageKey
 from minakv.cache.pool import PagePool, PoolError
@@ -37,6 +41,7 @@ class PageIndex:
         self.pool = pool
         self.by_key: dict[bytes, CachedPage] = {}
         self.by_page: dict[int, CachedPage] = {}
+        self.page_of: dict[bytes, int] = {}  # by_key's pages alone: `pages` looks a long history up in C
         # LRU order (oldest first), dropped-only pages apart: eviction scans dropped pages, then the rest.
         self.lru: dict[bool, OrderedDict[int, CachedPage]] = {True: OrderedDict(), False: OrderedDict()}
         self.clock = 0
@@ -71,6 +76,12 @@ class PageIndex:
             out.append(entry.page if entry is not None else None)
         return out
 
+    def pages(self, keys: Sequence[PageKey]) -> np.ndarray:
+        """`match` without touching, as int64 pages with -1 where nothing is cached: one dictionary lookup per
+        key inside `map`, no Python loop (an agent's history has thousands of pages)."""
+        found = map(self.page_of.get, map(attrgetter("key"), keys), repeat(-1))
+        return np.fromiter(found, dtype=np.int64, count=len(keys))
+
     def touch(self, pages: Sequence[int], dropped: bool | None = None) -> None:
         """Mark cached pages as just used; `dropped=True` also puts them first in line for eviction (no
         live request reads them any more)."""
@@ -98,22 +109,33 @@ class PageIndex:
             self._touch(entry)
             self.by_key[key.key] = entry
             self.by_page[page] = entry
+            self.page_of[key.key] = page
             out.append(True)
         return out
 
     def evictable(self) -> int:
-        return sum(1 for e in self.by_page.values() if self.pool.refcount[e.page] == 1)
+        """Cached pages nobody but the index holds (counted in C: the index may hold tens of thousands)."""
+        return list(map(self.pool.refcount.__getitem__, self.by_page)).count(1)
 
     def evict(self, n: int) -> list[int]:
-        """Free up to n pages nobody but the index holds: dropped-only pages first, then LRU."""
+        """Free up to n pages nobody but the index holds: dropped-only pages first, then LRU.
+
+        Pages held by a request that the scan passes on its way to a freed page are as good as just used, so
+        they move to the end and later scans skip them. Those after the last freed page stay put: that makes
+        evict(n) leave the index exactly as n calls of evict(1) would, so pages can be allocated in bulk."""
         freed: list[int] = []
+        refcount = self.pool.refcount
         for dropped in (True, False):
-            lru, in_use = self.lru[dropped], []
+            lru, in_use, passed = self.lru[dropped], [], 0
             for page in lru:
                 if len(freed) == n:
                     break
-                (freed if self.pool.refcount[page] == 1 else in_use).append(page)
-            for page in in_use:  # held by a request: as good as just used, so later scans skip it
+                if refcount[page] == 1:
+                    freed.append(page)
+                    passed = len(in_use)
+                else:
+                    in_use.append(page)
+            for page in in_use[:passed]:
                 lru.move_to_end(page)
         for page in freed:
             self.remove(page)
@@ -124,4 +146,5 @@ class PageIndex:
         entry = self.by_page.pop(page)
         del self.lru[entry.dropped][page]
         del self.by_key[entry.key]
+        del self.page_of[entry.key]
         self.pool.decref([page])

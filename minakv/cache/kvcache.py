@@ -9,6 +9,8 @@ Eviction is the index's: pages only the index holds, dropped-only pages first, t
 
 from __future__ import annotations
 
+import numpy as np
+
 from minakv.cache.index import PageIndex
 from minakv.cache.keys import PageKey
 from minakv.cache.pool import PagePool
@@ -33,9 +35,15 @@ class KVCache:
             return [None] * len(keys)
         return self.index.match(keys, touch=False)
 
+    def match_pages(self, keys: list[PageKey]) -> np.ndarray:
+        """`match` as int64 pages, -1 where nothing is cached (what admission reads)."""
+        if not self.enabled:
+            return np.full(len(keys), -1, dtype=np.int64)
+        return self.index.pages(keys)
+
     def available(self, exclude: list[int] = ()) -> int:
         """Pages a request could get now: free ones plus evictable cached ones not in `exclude`."""
-        taken = sum(1 for p in exclude if self.pool.refcount[p] == 1)
+        taken = list(map(self.pool.refcount.__getitem__, exclude)).count(1)
         return self.pool.num_free + self.index.evictable() - taken
 
     def acquire(self, pages: list[int]) -> list[int]:
@@ -50,11 +58,18 @@ class KVCache:
 
     def allocate(self) -> int | None:
         """A fresh page, evicting one cached page if none is free; None if nothing can be had."""
-        if not self.pool.num_free:
-            self.evictions += len(self.index.evict(1))
-            if not self.pool.num_free:
-                return None
-        return self.pool.allocate(1)[0]
+        pages = self.allocate_many(1)
+        return pages[0] if pages else None
+
+    def allocate_many(self, n: int) -> list[int]:
+        """Up to n fresh pages: free ones first, then cached ones evicted (fewer only when nothing more can be
+        had). The very pages, in the same order, that n calls of `allocate` would give (`PageIndex.evict`)."""
+        pages = self.pool.allocate(min(n, self.pool.num_free))
+        if len(pages) < n:
+            evicted = self.index.evict(n - len(pages))
+            self.evictions += len(evicted)
+            pages += self.pool.allocate(len(evicted))
+        return pages
 
     def publish(self, publish: dict[int, PageKey | None]) -> None:
         """Index complete pages (page -> key) that a running request still holds; the index takes its own

@@ -57,10 +57,18 @@ class Plan:
     num_skipped: int = 0  # tokens never computed because no query reads them
     num_copies: int = 0
     keys: list[PageKey] | None = None  # page keys, when planned with a memo (it knows the page size)
+    _final_pages: dict[int, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def size(self) -> int:
         return len(self.token)
+
+    def final_pages(self, page_size: int) -> np.ndarray:
+        """The pages (ascending) holding the entries the first generated token reads; computed once per plan
+        and page size: a request asks every time it publishes."""
+        if page_size not in self._final_pages:
+            self._final_pages[page_size] = np.unique(self.final_keys // page_size)
+        return self._final_pages[page_size]
 
     @cached_property
     def entries(self) -> list[Entry]:

@@ -12,6 +12,7 @@ pages that no live key reads ("dead": dropped or superseded), which the index ev
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,35 +25,32 @@ from minakv.scheduler.request import Request
 
 @dataclass
 class Admission:
-    pages: list[int]  # per page of planned entries: the cached page, or -1
+    pages: np.ndarray  # int64, per page of planned entries: the cached page, or -1
     matched: list[int]  # the cached pages among them
     unread: list[int]  # cached pages of r's history that nothing reads any more
     missing: list[int]  # page indices that need fresh memory (they hold entries to compute)
     todo: np.ndarray  # entries to compute, in order
-    incomplete: set[int]  # pages with entries neither cached nor computed: never published
+    incomplete: np.ndarray  # bool per planned page: entries neither cached nor computed (never published)
     hits: int  # prompt tokens whose born entry comes from the cache
     skipped: int  # prompt tokens born but neither cached nor computed: dropped, and read by nothing now
 
 
 def admission(r: Request, kv: KVCache) -> Admission:
+    """Numpy over pages and entries throughout: an agent's history has thousands of pages."""
     ps, plan = kv.page_size, r.plan
-    matches = kv.match(r.page_keys[: plan.last_entry // ps])  # never the last token's page: it needs logits
     num_pages = -(-plan.size // ps)
-    pages = [-1] * num_pages
-    for p, m in enumerate(matches):
-        if m is not None:
-            pages[p] = m
-    have_page = np.asarray(pages, dtype=np.int64) >= 0
+    pages = np.full(num_pages, -1, dtype=np.int64)
+    matched = kv.match_pages(r.page_keys[: plan.last_entry // ps])  # never the last token's page: logits
+    pages[: len(matched)] = matched
+    have_page = pages >= 0
     have = np.repeat(have_page, ps)[: plan.size]
     todo, read = closure(plan, have)
     born = (plan.source < 0) & (plan.token < r.num_prompt)
-    hits = int((have & born).sum())
+    hits = int(np.count_nonzero(have & born))
     # a cached page nobody reads (an old stage, a dropped message) is not held: it stays a hole here
     unread = have_page & ~per_page(read, num_pages, ps)
-    retired = []
-    for p in np.nonzero(unread)[0].tolist():
-        retired.append(pages[p])
-        pages[p] = -1
+    retired = pages[unread].tolist()
+    pages[unread] = -1
     have_page &= ~unread
     have &= np.repeat(have_page, ps)[: plan.size]
     computed = np.zeros(plan.size, dtype=bool)
@@ -60,13 +58,11 @@ def admission(r: Request, kv: KVCache) -> Admission:
     needs = np.zeros(num_pages, dtype=bool)
     needs[todo // ps] = True
     incomplete = per_page(~have & ~computed, num_pages, ps)
-    matched = [p for p in pages if p >= 0]
     missing = np.nonzero(needs & ~have_page)[0].tolist()
     # a dropped message computed in an earlier round whose pages have left the cache since, and that no
     # query of this request reads: not computed again, so it counts as drop-skipped (not as computed)
-    skipped = int(born.sum()) - hits - int(born[todo].sum())
-    incomplete_pages = set(np.nonzero(incomplete)[0].tolist())
-    return Admission(pages, matched, retired, missing, todo, incomplete_pages, hits, skipped)
+    skipped = int(np.count_nonzero(born)) - hits - int(np.count_nonzero(born[todo]))
+    return Admission(pages, pages[have_page].tolist(), retired, missing, todo, incomplete, hits, skipped)
 
 
 def per_page(flags: np.ndarray, num_pages: int, page_size: int) -> np.ndarray:
@@ -80,30 +76,44 @@ def publishable(r: Request, page_size: int) -> tuple[dict[int, PageKey], list[in
     """r's own complete pages (allocated by r, every entry computed) with the keys to publish them under,
     and the cached pages r held that no live key reads any more (dropped by r's own operations). Pages r
     took from the cache are indexed already, so the hashing is proportional to what r computed, not to its
-    history. Planned pages reuse the keys of planning; only pages of decode entries are hashed here."""
-    plan, ps = r.plan, page_size
+    history. Planned pages reuse the keys of planning; only pages of decode entries are hashed here.
+
+    The live keys (`r.decode_keys`) are the plan's `final_keys` followed by every decode entry, so their
+    pages come from the plan (once per plan) and one range: no pass over a Python list of the history."""
+    plan, ps, pages = r.plan, page_size, r.pages
     resolved = int(r.todo[r.cursor]) if r.cursor < len(r.todo) else r.num_entries
-    known = sum(1 for t in r.decode_tokens if t < r.num_tokens)  # decode entries whose token is back
-    done = min(min(resolved, plan.size + known) // ps, len(r.pages))  # pages before this are resolved
-    live_pages = np.unique(np.asarray(r.decode_keys, dtype=np.int64) // ps)
-    live = set(live_pages.tolist())
-    # cached pages (held, not r's own) that no live key reads: numpy, a long history has many pages
-    pages = np.asarray(r.pages, dtype=np.int64)
-    dead = pages >= 0
-    dead[r.fresh] = False
-    dead[live_pages[live_pages < len(pages)]] = False
+    known = bisect_left(r.decode_tokens, r.num_tokens)  # decode entries whose token is back (ascending)
+    done = min(min(resolved, plan.size + known) // ps, len(pages))  # pages before this are resolved
+    live = np.zeros(len(pages), dtype=bool)  # pages holding an entry the next token reads
+    final = plan.final_pages(ps)
+    live[final[final < len(pages)]] = True
+    if r.decode_tokens:
+        live[plan.size // ps : (r.num_entries - 1) // ps + 1] = True
+    # cached pages (held, not r's own) that no live key reads
+    fresh = np.asarray(r.fresh, dtype=np.int64)
+    dead = (pages >= 0) & ~live
+    dead[fresh] = False
     dead_cached = pages[dead].tolist()
-    own = [p for p in r.fresh if p < done and p not in r.incomplete]
+    incomplete = np.zeros(len(pages), dtype=bool)
+    incomplete[: len(r.incomplete)] = r.incomplete
+    own = fresh[fresh < done]
+    own = own[~incomplete[own]].tolist()
     if not own:
         return {}, dead_cached
-    keys = [k.key for k in r.page_keys[: min(len(r.page_keys), done)]]
-    planned = len(keys)
+    planned = min(len(r.page_keys), done)
+    decoded: list[bytes] = []
     if done > planned:  # pages with decode entries: chain on from the last planned page's key
         decode = np.empty((known, 5), dtype=np.int64)
         decode[:, :2] = digest_words(plan.final_digest)
         decode[:, 2] = [r.token_at(t) for t in r.decode_tokens[:known]]
         decode[:, 3], decode[:, 4] = r.decode_positions[:known], -1
         rows = np.concatenate([plan.records[planned * ps :], decode])[: (done - planned) * ps]
-        parent = keys[-1] if keys else None
-        keys += [k.key for k in page_keys(rows, ps, parent=parent)]
-    return {r.pages[p]: PageKey(keys[p], p not in live) for p in own}, dead_cached
+        parent = r.page_keys[planned - 1].key if planned else None
+        decoded = [k.key for k in page_keys(rows, ps, parent=parent)]
+
+    def key(p: int) -> bytes:
+        return r.page_keys[p].key if p < planned else decoded[p - planned]
+
+    return {
+        page: PageKey(key(p), not read) for p, page, read in zip(own, pages[own].tolist(), live[own].tolist())
+    }, dead_cached

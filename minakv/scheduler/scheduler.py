@@ -190,7 +190,7 @@ class Scheduler:
         slot = self._slot(r, e)
         if r.row < 0:  # first decode step since (re)admission: the row gets all keys at once
             r.row = self.rows.pop()
-            keys = np.asarray(r.decode_keys, dtype=np.int64)  # planned entries only, right after planning
+            keys = r.plan.final_keys  # = r.decode_keys: planned entries only, right after planning
             batch.write_row(r.row, 0, self._slots(r, keys), r.plan.position[keys])
             r.row_len = len(keys)
             if self.split and r.penalty_row >= 0:  # counted on the prefill worker so far (see __init__)
@@ -264,28 +264,30 @@ class Scheduler:
         r.pending += 1
 
     def _slot(self, r: Request, entry: int) -> int:
-        return r.pages[entry // self.page_size] * self.page_size + entry % self.page_size
+        return int(r.pages[entry // self.page_size]) * self.page_size + entry % self.page_size
 
     def _slots(self, r: Request, entries: np.ndarray) -> np.ndarray:
-        pages = np.asarray(r.pages, dtype=np.int64)
-        return pages[entries // self.page_size] * self.page_size + entries % self.page_size
+        # r.pages is an int64 array (admission makes it one), so there is nothing to convert per call
+        return r.pages[entries // self.page_size] * self.page_size + entries % self.page_size
 
     # ----- memory -----
     def _ensure_pages(self, r: Request, num_entries: int) -> None:
         """Give r pages for `num_entries` entries (and for pages not taken from the cache), evicting
         cached pages and, if that is not enough, preempting the youngest running requests (possibly r)."""
-        while r.status is Status.RUNNING and len(r.pages) * self.page_size < num_entries:
-            r.missing.append(len(r.pages))
-            r.pages.append(-1)
+        grow = -(-num_entries // self.page_size) - len(r.pages)
+        if r.status is Status.RUNNING and grow > 0:  # (a decoding request: one page per page_size steps)
+            r.missing += range(len(r.pages), len(r.pages) + grow)
+            r.pages = np.concatenate([r.pages, np.full(grow, -1, dtype=np.int64)])
         while r.status is Status.RUNNING and r.missing:
-            page = self.kv.allocate()
-            if page is None:
-                self._preempt(self.running[-1])
-            else:
+            # as many as it needs at once: the same pages, in the same order, as one allocation at a time
+            pages = self.kv.allocate_many(len(r.missing))
+            for page in pages:
                 r.fresh.append(r.missing.pop())
                 r.pages[r.fresh[-1]] = page
                 if self.on_allocate is not None:
                     self.on_allocate(page)
+            if r.missing:  # nothing more to evict
+                self._preempt(self.running[-1])
 
     def _admit(self) -> list[Request]:
         failed = []
@@ -366,12 +368,13 @@ class Scheduler:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
-        pages = [p for p in r.pages if p >= 0]
+        held = np.asarray(r.pages, dtype=np.int64)
+        pages = held[held >= 0].tolist()
         if pages:
             offered, dead = publishable(r, self.page_size) if publish else ({}, [])
             self.kv.retire(dead)
             self.kv.release(pages, offered)
-        r.pages, r.missing, r.fresh = [], [], []
+        r.pages, r.missing, r.fresh = np.zeros(0, dtype=np.int64), [], []
         if r.row >= 0:
             self.rows.append(r.row)
             r.row = -1
@@ -395,7 +398,7 @@ class Scheduler:
 
     # ----- observability -----
     def check(self) -> None:
-        self.kv.check([r.pages for r in self.running])
+        self.kv.check([r.pages.tolist() for r in self.running])
 
     def stats(self) -> dict:
         c = self.counters
