@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from minakv.cache.program import compile_program
 from minakv.grammar import compile_grammar
 from minakv.model.config import ModelConfig
@@ -25,17 +27,29 @@ from minakv.text.chat import render
 
 def _token_list(value: Any, field: str, vocab_size: int) -> list[int]:
     """`value` if it is a list of token ids in the vocabulary (checked with C-level passes, not a Python
-    loop per token: agent histories are long)."""
+    loop per token: agent histories are long). The range is checked on an int64 copy: numpy's min and max
+    cost next to nothing, where builtin min and max compare Python ints one by one."""
     if not isinstance(value, list) or set(map(type, value)) - {int}:  # bool is not int here
         raise ValueError(f"{field} must be a list of integer token ids")
-    if value and (min(value) < 0 or max(value) >= vocab_size):
+    if value and not _in_range(value, vocab_size):
         bad = next(t for t in value if not 0 <= t < vocab_size)
         raise ValueError(f"{field}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
     return value
 
 
-def tokens_and_owners(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int], list[int], int, dict]:
-    """(token ids, owners, number of messages N, cache operations) for any prompt form."""
+def _in_range(value: list[int], vocab_size: int) -> bool:
+    try:
+        ids = np.fromiter(value, dtype=np.int64, count=len(value))
+    except OverflowError:  # beyond int64: certainly outside the vocabulary
+        return False
+    return bool(ids.min() >= 0 and ids.max() < vocab_size)
+
+
+def tokens_and_owners(
+    prompt: Any, tokenizer, vocab_size: int
+) -> tuple[list[int], list[int] | np.ndarray, int, dict]:
+    """(token ids, owners, number of messages N, cache operations) for any prompt form (owners of
+    pre-tokenized messages as an int64 array: one `np.repeat`, not a list built token by token)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: send token ids instead of text")
@@ -54,10 +68,10 @@ def tokens_and_owners(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int
         messages = prompt["message_tokens"]
         if not isinstance(messages, list) or not messages:
             raise ValueError("message_tokens must be a non-empty list of token-id lists")
-        ids, owners = [], []
+        ids = []
         for i, tokens in enumerate(messages):
             ids += _token_list(tokens, f"message_tokens[{i}]", vocab_size)
-            owners += [i] * len(tokens)
+        owners = np.repeat(np.arange(len(messages), dtype=np.int64), [len(tokens) for tokens in messages])
         return ids, owners, len(messages), cache
     if "messages" in prompt:
         if tokenizer is None:

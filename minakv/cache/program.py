@@ -144,19 +144,26 @@ def compile_program(
                 ranges.setdefault(point, []).append((lo, hi))
     drop_ranges = {p: _merge(r) for p, r in sorted(ranges.items())}
 
-    # Repositions: births advance one position per token; an effective reposition starts a new stage.
+    # Repositions: births advance one position per token; an effective reposition starts a new stage. Every
+    # reposition point leaves its active tokens at positions 0..A-1 (an effective one renumbers them, a
+    # no-op is one where they sit there already), so the active set is carried from point to point: the
+    # tokens still visible keep their rank at the last point, and the ones born since their birth position.
+    # That costs the active tokens and the new ones per reposition, not a pass over the whole prefix.
     birth = np.empty(n, dtype=np.int64)
     starts, survivors = [0], [np.zeros(0, dtype=np.int64)]
     next_pos, done = 0, 0
+    active = np.zeros(0, dtype=np.int64)  # tokens active at the last reposition point, in order
     for m in repositions:
         point = first_token_after(m)
         birth[done:point] = np.arange(next_pos, next_pos + point - done)
         _check_limit(birth, done, point, max_positions)
+        kept = visible_until[active] > point
+        recent = np.arange(done, point, dtype=np.int64)[visible_until[done:point] > point]
         next_pos, done = next_pos + point - done, point
-        active = np.nonzero(visible_until[:point] > point)[0].astype(np.int64)
+        active = np.concatenate([active[kept], recent])
         if len(active) == 0:
             raise CacheOpError(f"reposition: message {m}: nothing is active to reposition at that point")
-        current = _stage_positions(active, starts[-1], survivors[-1], birth[active])
+        current = np.concatenate([np.nonzero(kept)[0], birth[recent]])
         if next_pos == len(active) and np.array_equal(current, np.arange(len(active))):
             continue  # a no-op: no active position and not next_pos would change: no stage, no new version
         starts.append(point)
@@ -178,22 +185,6 @@ def _check_limit(birth: np.ndarray, lo: int, hi: int, max_positions: int | None)
         f"positions: token {t} would be born at position {int(birth[t])}, reaching the position limit "
         f"{max_positions} (max_model_len, at most max_position_embeddings; drop and reposition earlier)"
     )
-
-
-def _stage_positions(t: np.ndarray, start: int, survivors: np.ndarray, birth: np.ndarray) -> np.ndarray:
-    """Tokens born before the stage's start sit at their rank among its survivors; later ones at birth."""
-    pos = birth.copy()
-    old = t < start
-    if old.any():
-        ranks = np.searchsorted(survivors, t[old])
-        if (ranks >= len(survivors)).any() or (
-            survivors[np.minimum(ranks, len(survivors) - 1)] != t[old]
-        ).any():
-            raise ValueError(
-                f"some of tokens {t[old].tolist()} are not active after the reposition at {start}"
-            )
-        pos[old] = ranks
-    return pos
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

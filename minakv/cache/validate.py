@@ -32,7 +32,8 @@ def as_id(value: object, field: str) -> int:
 def check_owners(owners: Iterable[int], num_messages: int) -> np.ndarray:
     if isinstance(num_messages, bool) or not isinstance(num_messages, (int, np.integer)) or num_messages < 0:
         raise CacheOpError(f"num_messages: {num_messages!r} is not a non-negative integer")
-    arr = np.asarray(list(owners))
+    # an int64 array (pre-tokenized messages) is taken as is: converting it through a list costs per token
+    arr = owners if isinstance(owners, np.ndarray) else np.asarray(list(owners))
     if arr.size and arr.dtype.kind not in "iu":
         raise CacheOpError(f"owners: {arr.dtype} values; owners must be integer message ids")
     arr = arr.astype(np.int64)
