@@ -90,13 +90,14 @@ def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
 def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                     limit=7.0, alpha=1.702, *, sum_k: bool = True, block_m: int | None = None, block_n: int = 32,
                     block_k: int = 128, num_warps: int = 4, num_stages: int = 3, mode: str = "split",
-                    slots: str = "experts") -> torch.Tensor:  # fmt: skip
+                    slots: str = "auto") -> torch.Tensor:  # fmt: skip
     """The decode path: two kernels, each chosen expert's packed weights read once. The keyword-only knobs
     are for benchmarks and tests (block_k: a multiple of 32). mode: how a tile is consumed (mxfp4_tile.MODES);
     "split" is the default: on the H200 it took 0.092 ms for 20b at one token, "interleave" 0.146.
     slots: "experts", a program row per expert (most return at once when T*k << E); "pairs", a program row
-    per pair, the first pair of each expert serving it (the others return): T*k rows instead of E; "auto",
-    the fewer."""
+    per pair, the first pair of each expert serving it (the others return): T*k rows instead of E; "auto"
+    (the default), the fewer: on the H200 at one token 0.093 ms against 0.130 for 120b's 128 experts, 0.092
+    against 0.105 for 20b's 32."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
