@@ -85,10 +85,22 @@ class PageIndex:
     def touch(self, pages: Sequence[int], dropped: bool | None = None) -> None:
         """Mark cached pages as just used; `dropped=True` also puts them first in line for eviction (no
         live request reads them any more)."""
+        # `_touch` inlined: admission touches every page it takes or retires, thousands for a long history.
+        # A page staying in its list just moves to the end (one C call instead of a pop and an insert).
+        by_page, lru, clock = self.by_page, self.lru, self.clock
         for page in pages:
-            entry = self.by_page.get(page)
-            if entry is not None:
-                self._touch(entry, dropped)
+            entry = by_page.get(page)
+            if entry is None:
+                continue
+            clock += 1
+            entry.last_used = clock
+            if dropped is None or dropped == entry.dropped:
+                lru[entry.dropped].move_to_end(page)
+            else:
+                del lru[entry.dropped][page]
+                entry.dropped = dropped
+                lru[dropped][page] = entry
+        self.clock = clock
 
     def insert(self, keys: Sequence[PageKey], pages: Sequence[int]) -> list[bool]:
         """Index each full page under its key (taking a pool reference). A key already cached keeps its

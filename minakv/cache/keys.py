@@ -37,8 +37,8 @@ if TYPE_CHECKING:  # plan.py imports this module: the type only, no import cycle
 ROOT = b"minakv-cache-v2"  # the chain's start, with the page size (a new version tag matches no old key)
 
 
-@dataclass(frozen=True)
-class PageKey:
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: a frozen dataclass costs twice as much to make, and
+class PageKey:  # planning makes one per page (treat it as immutable all the same)
     key: bytes  # hash chain of the records of this page and every page before it
     dropped: bool  # every entry of the page is dropped by the end of the request (evict these first)
 
@@ -78,7 +78,10 @@ def page_keys(
     data, step = rows.tobytes(), page_size * rows.shape[1] * 8
     flags = list(dead) if dead is not None and len(dead) else [False] * (len(rows) // page_size)
     keys = []
+    view = memoryview(data)
     for p in range(len(rows) // page_size):  # hash_parts(prev, page), inlined: this loop runs per page
-        prev = hashlib.blake2b(prev + data[p * step : (p + 1) * step], digest_size=16).digest()
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(view[p * step : (p + 1) * step])  # a view: no copy of the page's bytes
+        prev = h.digest()
         keys.append(PageKey(prev, bool(flags[p])))
     return keys
