@@ -22,13 +22,17 @@ import random
 import numpy as np
 import pytest
 from helpers.processes import alive, assert_recovered, kill_while_decoding
-from helpers.programs import assert_matches_oracle, mixed_prompts, programs
+from helpers.programs import (
+    assert_matches_oracle,
+    assert_penalties_and_grammars_match,
+    mixed_prompts,
+    programs,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minakv import Engine, SamplingParams
 from minakv.config import EngineConfig
-from minakv.params import Grammar
 from minakv.worker.build import load_model_by_name
 from minakv.worker.coherence import Coherence
 from minakv.worker.placement import Placement
@@ -42,8 +46,6 @@ SETTINGS = {
     "max_num_batched_tokens": 24,
 }  # fmt: skip  (small chunks: prefill pieces and decodes share steps)
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
-PENALISED = SamplingParams(max_tokens=8, temperature=0.8, seed=3, repetition_penalty=1.3,
-                           frequency_penalty=0.5, ignore_eos=True)  # fmt: skip
 LAYOUTS = {"2:1": (2, 1, "tiny-gpt-oss"), "1:2": (1, 2, "tiny-minimax-m2"), "2:2": (2, 2, "tiny-minimax-m2")}
 
 
@@ -81,15 +83,7 @@ def test_penalties_and_grammars_match_the_colocated_engine(layout) -> None:
     """A penalised request's counts move to the decode worker it is pinned to; a grammar's mask rows follow
     their sample rows into whichever worker samples them."""
     _, _, _, local, pools = layout
-    prompts = [[7, 7, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
-    params = [PENALISED, PENALISED]
-    if pools.tokenizer is not None:  # (gpt-oss: a tokenizer to compile a grammar for)
-        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-        prompts += ["Hello there", "json please"]
-        params += [SamplingParams(max_tokens=12, seed=i, grammar=Grammar(json_schema=schema)) for i in (1, 2)]
-    expected = [o.token_ids for o in local.generate(prompts, params)]
-    assert [o.token_ids for o in pools.generate(prompts, params)] == expected
-    pools.check()
+    assert_penalties_and_grammars_match(local, pools)
 
 
 # ----- what moves between the workers, across two agents' rounds -----

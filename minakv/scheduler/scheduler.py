@@ -32,6 +32,10 @@ from minakv.scheduler.stops import apply_token
 from minakv.worker.batch import ForwardBatch
 from minakv.worker.worker import StepResult
 
+# History tokens `_admit` plans in one call while other requests run (~2 ms of planning); beyond that,
+# planning waits for `prepare`, which runs while the device computes the step just launched.
+PLAN_INLINE_TOKENS = 8192
+
 
 class Scheduler:
     def __init__(
@@ -294,6 +298,7 @@ class Scheduler:
         # prefill work already admitted: planning more than the next step can compute only delays it (the
         # rest is planned during later steps, while the device computes these)
         queued = sum(self._tokens_left(r) for r in self.running)
+        planned = 0  # history tokens planned in this call
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             r = self.waiting[0]
             if queued >= self.config.max_num_batched_tokens or r.pending:
@@ -301,8 +306,11 @@ class Scheduler:
             if any(x.suspect for x in self.running) or (r.suspect and self.running):
                 break  # a suspect runs alone (see quarantine)
             if r.plan is None:
-                if self.running:  # plan it in `prepare`, while the device runs: a step later, no stall
+                # Long histories take milliseconds to plan: while others run, leave them to `prepare`,
+                # right after the next launch, so the device does not wait; short prompts go at once.
+                if self.running and planned + r.num_tokens > PLAN_INLINE_TOKENS:
                     break
+                planned += r.num_tokens
                 self._plan(r)
             a = admission(r, self.kv)
             need = len(a.missing) + 1  # +1: room to decode

@@ -21,6 +21,7 @@ from minakv.cache.keys import PageKey, page_keys
 from minakv.cache.plan import Plan, plan_request
 from minakv.cache.program import Program, compile_program
 from minakv.outputs import RequestOutput
+from minakv.params import Grammar, SamplingParams
 from minakv.reference.oracle import WalkOracle
 
 
@@ -171,3 +172,21 @@ def mixed_prompts(batch: list, seed: int) -> tuple[list, list[dict | list[int]]]
     prompts = [{"message_tokens": s, "cache": c} for s, c in batch]
     prompts.insert(1, [rng.randrange(384) for _ in range(rng.randint(1, 30))])
     return batch, prompts
+
+
+PENALISED = SamplingParams(max_tokens=8, temperature=0.8, seed=3, repetition_penalty=1.3,
+                           frequency_penalty=0.5, ignore_eos=True)  # fmt: skip
+
+
+def assert_penalties_and_grammars_match(local, engine) -> None:
+    """Penalised and (with a tokenizer) grammar-constrained requests give `local`'s tokens on `engine`: the
+    penalty counts and mask rows follow their requests into whichever worker samples them."""
+    prompts = [[7, 7, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    params = [PENALISED, PENALISED]
+    if engine.tokenizer is not None:  # (gpt-oss: a tokenizer to compile a grammar for)
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        prompts += ["Hello there", "json please"]
+        params += [SamplingParams(max_tokens=12, seed=i, grammar=Grammar(json_schema=schema)) for i in (1, 2)]
+    expected = [o.token_ids for o in local.generate(prompts, params)]
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    engine.check()
