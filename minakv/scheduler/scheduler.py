@@ -25,8 +25,8 @@ from minakv.cache.kvcache import KVCache
 from minakv.cache.plan import plan_request
 from minakv.cache.plan_memo import PlanMemo
 from minakv.config import EngineConfig
-from minakv.grammar import fill_masks
 from minakv.scheduler.admission import admission, publishable
+from minakv.scheduler.batching import add_decode, add_masks, add_prefill
 from minakv.scheduler.request import Request, Status
 from minakv.scheduler.stops import apply_token
 from minakv.worker.batch import ForwardBatch
@@ -129,26 +129,19 @@ class Scheduler:
         batch = ForwardBatch()
         for r in decoding:
             if r.status is Status.RUNNING:
-                self._schedule_decode(r, batch)
+                add_decode(batch, r, self.page_size, self.rows, self.penalty_rows, self.split)
+                self.counters["decode_tokens"] += 1
+                self.counters["decode_kv_entries"] += r.row_len
         budget = self.config.max_num_batched_tokens - batch.num_tokens
         for r in self.running:
             if budget <= 0:
                 break
             if r.cursor < len(r.todo):
-                r.cursor, computed = self._schedule_prefill(r, batch, budget)
+                r.cursor, computed = add_prefill(batch, r, self.page_size, budget, self.penalty_rows)
                 budget -= computed
                 self.counters["prefill_tokens"] += computed
-        self._fill_masks(batch)
+        add_masks(batch)
         return batch
-
-    @staticmethod
-    def _fill_masks(batch: ForwardBatch) -> None:
-        """Structured outputs: the tokens each constrained row may sample, as one bitmask for the step. Built
-        here, on the host, while the device still runs the step before; the matchers are up to date, since
-        a request with a grammar is never scheduled with a token still on the device."""
-        batch.mask_rows = [i for i, r in enumerate(batch.scheduled) if r.grammar is not None]
-        if batch.mask_rows:
-            batch.token_mask = fill_masks([batch.scheduled[i].grammar for i in batch.mask_rows])
 
     def update(self, batch: ForwardBatch, result: StepResult) -> list[Request]:
         """Apply a step's sampled tokens (in sample-row order); returns the requests with news for their
@@ -184,95 +177,6 @@ class Scheduler:
             or r.program.next_pos + n >= self.max_model_len
             or (limit is not None and r.program.next_pos + n - 1 >= limit)
         )
-
-    def _schedule_decode(self, r: Request, batch: ForwardBatch) -> None:
-        """Feed the last sampled token: one new entry at the next position, reading all active keys."""
-        t = r.num_tokens + r.pending - 1
-        e = r.num_entries
-        r.decode_tokens.append(t)
-        r.decode_positions.append(r.next_pos)
-        slot = self._slot(r, e)
-        if r.row < 0:  # first decode step since (re)admission: the row gets all keys at once
-            r.row = self.rows.pop()
-            keys = r.plan.final_keys  # = r.decode_keys: planned entries only, right after planning
-            batch.write_row(r.row, 0, self._slots(r, keys), r.plan.position[keys])
-            r.row_len = len(keys)
-            if self.split and r.penalty_row >= 0:  # counted on the prefill worker so far (see __init__)
-                batch.penalty_resets.append((r.penalty_row, r.prompt_ids, list(r.output_ids)))
-        r.decode_keys.append(e)
-        batch.write_row(r.row, r.row_len, [slot], [r.next_pos])
-        r.row_len += 1
-        # the input: a known token, or the one the previous step samples for r (still on the device)
-        batch.input_ids.append(r.token_at(t) if r.pending == 0 else -(r.sample_row + 1))
-        batch.positions.append(r.next_pos)
-        batch.slots.append(slot)
-        batch.decode_rows.append(r.row)
-        batch.decode_lens.append(r.row_len)
-        batch.num_decode += 1
-        r.next_pos += 1
-        self._sample_last(batch, r)
-        self.counters["decode_tokens"] += 1
-        self.counters["decode_kv_entries"] += r.row_len
-
-    def _schedule_prefill(self, r: Request, batch: ForwardBatch, budget: int) -> tuple[int, int]:
-        """The next entries to compute: copies first (re-rotations run before the forward, all at once, so
-        none may read another of the same step), then computed tokens up to the budget, stopping before the
-        next copy (its source may be computed in this very batch). A piece of queries is a run of consecutive entries of one segment; cached entries between
-        them (a restore around holes) split pieces. Returns (new cursor, tokens computed)."""
-        plan, todo, i = r.plan, r.todo, r.cursor
-        is_copy = plan.source[todo[i:]] >= 0
-        copies = todo[i : i + (int(np.argmin(is_copy)) if not is_copy.all() else len(is_copy))]
-        chained = np.nonzero(np.isin(plan.source[copies], copies))[0]
-        if len(chained):  # a copy of a copy made in this very call: the copies run at once, so wait a step
-            copies = copies[: chained[0]]
-        if len(copies):
-            sources = plan.source[copies]
-            values = (
-                self._slots(r, sources),
-                self._slots(r, copies),
-                plan.position[sources],
-                plan.position[copies],
-            )
-            for column, value in zip(batch.rerotate, values):
-                column.append(value)
-            r.usage.repos_tokens += len(copies)
-            i += len(copies)
-        run = todo[i : i + budget]
-        copy_at = np.nonzero(plan.source[run] >= 0)[0]
-        run = run[: copy_at[0]] if len(copy_at) else run
-        breaks = np.nonzero((np.diff(run) != 1) | (np.diff(plan.segment[run]) != 0))[0] + 1
-        for piece in np.split(run, breaks) if len(run) else []:
-            first, seg = int(piece[0]), int(plan.segment[piece[0]])
-            batch.input_ids += plan.records[piece, 2].tolist()
-            batch.positions += plan.position[piece].tolist()
-            batch.slots += self._slots(r, piece).tolist()
-            # the segment's outside keys, plus its members before this piece (cached or computed earlier)
-            outside = np.concatenate([plan.segment_keys[seg], np.arange(plan.segment_start[seg], first)])
-            batch.add_segment_keys(self._slots(r, outside), plan.position[outside])
-            batch.seg_q_indptr.append(batch.num_tokens - batch.num_decode)
-            if piece[-1] == plan.last_entry:
-                self._sample_last(batch, r)
-        return i + len(run), len(run)
-
-    def _sample_last(self, batch: ForwardBatch, r: Request) -> None:
-        r.sample_row = len(batch.sample_rows)
-        batch.sample_rows.append(batch.num_tokens - 1)
-        batch.sample_params.append(r.params)
-        batch.sample_seeds.append(r.seed)
-        batch.sample_counters.append(len(r.output_ids) + r.pending)
-        if r.params.penalized and r.penalty_row < 0:  # first sample since (re)admission: fill its row
-            r.penalty_row = self.penalty_rows.pop()
-            batch.penalty_resets.append((r.penalty_row, r.prompt_ids, list(r.output_ids)))
-        batch.sample_penalty_rows.append(r.penalty_row)
-        batch.scheduled.append(r)
-        r.pending += 1
-
-    def _slot(self, r: Request, entry: int) -> int:
-        return int(r.pages[entry // self.page_size]) * self.page_size + entry % self.page_size
-
-    def _slots(self, r: Request, entries: np.ndarray) -> np.ndarray:
-        # r.pages is an int64 array (admission makes it one), so there is nothing to convert per call
-        return r.pages[entries // self.page_size] * self.page_size + entries % self.page_size
 
     # ----- memory -----
     def _ensure_pages(self, r: Request, num_entries: int) -> None:
