@@ -1,4 +1,4 @@
-"""Smoke tests of the engine benchmarks: bench/agent_replay.py and bench/decode_sweep.py run with --tiny in a
+"""Smoke tests of the engine benchmarks: bench/agent_replay.py, decode_sweep.py and throughput.py run with --tiny in a
 subprocess (a tiny random model, tiny sizes; CPU here, the GPU where there is one), exit 0, print their
 tables and write their JSON rows under $OUT."""
 
@@ -58,6 +58,15 @@ def test_decode_sweep_tiny(tmp_path: Path) -> None:
         assert r["ms_per_step"] > 0 and r["tok_s"] > 0
         assert {"fraction_of_bound", "gpu_busy", "graph_replay_ms", "bytes_per_step"} <= set(r)
         assert r["mode"] == "greedy" or r["sampled_over_greedy"] > 0
+
+
+def test_throughput_tiny(tmp_path: Path) -> None:
+    """Every request makes exactly its output tokens (ignore_eos), and the rates follow from them."""
+    stdout = run_script("throughput.py", ["--tiny", "--paths", "bf16"], tmp_path)
+    assert "output tok/s" in stdout
+    (row,) = [r for r in json.loads((tmp_path / "throughput.json").read_text()) if r["kind"] == "throughput"]
+    assert row["output_tokens"] == row["requests"] * row["output"]
+    assert row["output_tok_s"] == row["output_tokens"] / row["wall_s"]
 
 
 def test_bench_mxfp4_tiny(tmp_path: Path) -> None:

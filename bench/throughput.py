@@ -1,0 +1,125 @@
+"""Offline throughput: N requests of I random tokens in, O tokens out, all submitted at once (issue 12's
+"512 x 1k in / 1k out" run, the shape of TRT-LLM's published gpt-oss-20b figure).
+
+    PYTHONUNBUFFERED=1 python bench/throughput.py [--requests 512] [--input 1024] [--output 1024]
+        [--paths mxfp4,bf16] [--preset gpt-oss-20b] [--tiny]
+
+Paths, each in a fresh engine, one after another in the same process and run:
+- `mxfp4`: `Engine(preset, load_format="dummy")`, random weights in the checkpoint's own format (GPT-OSS:
+  MXFP4 experts, resident and dequantised in registers by the kernels).
+- `bf16`: the same shape with random bf16 weights (bench/e2e_decode.py builds it; the 20b shape only).
+
+Sampling: temperature 1, a seed per request, ignore_eos, so every request makes exactly O tokens. A warm-up
+of a few requests runs first (Triton compiles, CUDA graphs captured). Reported per path: wall seconds,
+output tokens/s (the published figure's unit), total (input + output) tokens/s, mean TTFT. The GPU busy
+fraction comes from a CUDA-only profile of a window of decode steps (`--busy-window` seconds, while the
+run is in its decode phase). Rows go to $OUT/throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from agent_replay import MAX_TOKEN_ID, gpu_busy
+from common import Log
+from e2e_decode import DEVICE, build_ours, configs
+
+from minakv import Engine, SamplingParams
+
+
+def make_engine(path: str, args: argparse.Namespace) -> Engine:
+    options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "enable_prefix_cache": False}  # fmt: skip
+    if args.tiny:
+        _, config = configs(2, True)
+        return Engine(build_ours(config, torch.float32), **options)
+    if path == "mxfp4":
+        return Engine(args.preset, load_format="dummy", **options)
+    if path == "bf16":
+        _, config = configs(24, False)  # the gpt-oss-20b shape
+        return Engine(build_ours(config, torch.bfloat16), **options)
+    raise ValueError(f"unknown path {path!r} (expected mxfp4 or bf16)")
+
+
+async def run(engine: Engine, prompts: list[list[int]], output: int, busy_window: float) -> dict:
+    ttfts: list[float] = []
+    start = time.perf_counter()
+
+    async def one(i: int, prompt: list[int]) -> int:
+        params = SamplingParams(max_tokens=output, temperature=1.0, seed=i, ignore_eos=True)
+        first, n = None, 0
+        async for out in engine.stream(prompt, params):
+            n += len(out.token_ids)
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+                ttfts.append(first - start)
+        return n
+
+    async def window() -> dict:
+        """Profile a window once every request has its first token (the decode phase)."""
+        while len(ttfts) < len(prompts) and DEVICE == "cuda" and busy_window > 0:
+            await asyncio.sleep(0.05)
+        if DEVICE != "cuda" or busy_window <= 0:
+            return {}
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            await asyncio.sleep(busy_window)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        return gpu_busy(prof, wall)
+
+    tasks = [one(i, p) for i, p in enumerate(prompts)]
+    *counts, busy = await asyncio.gather(*tasks, window())
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "output_tokens": sum(counts), "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
+            "gpu_busy_decode_window": busy.get("gpu_busy")}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--input", type=int, default=1024)
+    p.add_argument("--output", type=int, default=1024)
+    p.add_argument("--paths", default="mxfp4,bf16")
+    p.add_argument("--preset", default="gpt-oss-20b")
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--busy-window", type=float, default=2.0, help="seconds of decode profiled (CUDA)")
+    p.add_argument("--tiny", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.requests, args.input, args.output, args.max_num_seqs = 4, 16, 4, 8
+    log = Log()
+    gen = torch.Generator().manual_seed(0)
+    for path in args.paths.split(","):
+        engine = make_engine(path, args)
+        hi = min(engine.model.config.vocab_size, MAX_TOKEN_ID)
+        warm = torch.randint(0, hi, (min(8, args.requests), args.input), generator=gen).tolist()
+        engine.generate(warm, SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True))
+        prompts = torch.randint(0, hi, (args.requests, args.input), generator=gen).tolist()
+        row = asyncio.run(run(engine, prompts, args.output, args.busy_window))
+        row.update(path=path, requests=args.requests, input=args.input, output=args.output,
+                   output_tok_s=row["output_tokens"] / row["wall_s"],
+                   total_tok_s=(row["output_tokens"] + args.requests * args.input) / row["wall_s"])  # fmt: skip
+        log.add("throughput", **row)
+        print(f"{path}: {row['wall_s']:.1f} s, {row['output_tok_s']:.0f} output tok/s, "
+              f"{row['total_tok_s']:.0f} total tok/s, TTFT mean {row['ttft_mean_s']:.2f} s, "
+              f"GPU busy (decode window) {row['gpu_busy_decode_window']}", flush=True)  # fmt: skip
+        engine.shutdown()
+        del engine
+    log.save("throughput.json")
+
+
+if __name__ == "__main__":
+    main()
