@@ -9,6 +9,7 @@
 #   mxfp4     issue 12: MXFP4 kernel variants incl. the "swap" mode                                 ~180 s
 #   dummy120  issue 12: gpt-oss-120b (dummy MXFP4) decode at batch 1, 64, 256, and its KV pool        ~240 s
 #   dummy20   issue 12: gpt-oss-20b (dummy MXFP4) decode at batch 1, 64, 256                         ~150 s
+#   throughput issue 12: 512 x 1k in / 1k out, MXFP4 (dummy 20b) beside bf16 (bench/throughput.py) ~300 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
 # bench/serve_replay.sh) for `serve`; the other steps need no tokenizer.
@@ -28,11 +29,12 @@ for step in $STEPS; do
         mxfp4) timeout 240 python3 bench/mxfp4_variants.py --out "$OUT/mxfp4_variants.json" ;;
         dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 ;;
         dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
+        throughput) timeout 400 python3 bench/throughput.py ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;
         *) echo "unknown step $step" ;;
     esac > "$log" 2>&1
     echo "exit $? ($(date -u +%H:%M:%S))"
-    for rows in agent_replay decode_sweep; do  # the scripts write these names: keep one per step
+    for rows in agent_replay decode_sweep throughput; do  # the scripts write these names: keep one per step
         [ -f "$OUT/$rows.json" ] && mv "$OUT/$rows.json" "$OUT/${rows}_$step.json"
     done
     grep -v '^{' "$log" | tail -10
