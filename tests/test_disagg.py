@@ -18,7 +18,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers.processes import alive, assert_recovered, kill_while_decoding
+from helpers.processes import SMALL_STEPS, alive, assert_recovered, kill_while_decoding
 from helpers.programs import (
     assert_matches_oracle,
     assert_penalties_and_grammars_match,
@@ -35,13 +35,7 @@ from minakv.worker.build import load_model_by_name
 from minakv.worker.coherence import DECODE, PREFILL, Coherence
 from minakv.worker.split import split_batch
 
-SETTINGS = {
-    "device": "cpu",
-    "page_size": 4,
-    "kv_cache_tokens": 2048,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 24,
-}  # fmt: skip  (small chunks: prefill pieces and decodes share steps)
+SETTINGS = SMALL_STEPS
 PD = {"prefill_devices": ["cpu"], "decode_devices": ["cpu"]}
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
 FAMILIES = {"minimax_m2": "tiny-minimax-m2", "gpt_oss": "tiny-gpt-oss"}

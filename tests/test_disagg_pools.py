@@ -21,7 +21,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers.processes import alive, assert_recovered, kill_while_decoding
+from helpers.processes import SMALL_STEPS, alive, assert_recovered, kill_while_decoding
 from helpers.programs import (
     assert_matches_oracle,
     assert_penalties_and_grammars_match,
@@ -38,13 +38,7 @@ from minakv.worker.coherence import Coherence
 from minakv.worker.placement import Placement
 from minakv.worker.split import prefill_pages, split_batch, take_prefill
 
-SETTINGS = {
-    "device": "cpu",
-    "page_size": 4,
-    "kv_cache_tokens": 2048,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 24,
-}  # fmt: skip  (small chunks: prefill pieces and decodes share steps)
+SETTINGS = SMALL_STEPS
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
 LAYOUTS = {"2:1": (2, 1, "tiny-gpt-oss"), "1:2": (1, 2, "tiny-minimax-m2"), "2:2": (2, 2, "tiny-minimax-m2")}
 

@@ -19,7 +19,7 @@ from multiprocessing import Pipe
 from types import SimpleNamespace
 
 import pytest
-from helpers.processes import alive, assert_recovered, kill_while_decoding
+from helpers.processes import SMALL_STEPS, alive, assert_recovered, kill_while_decoding
 from helpers.programs import assert_matches_oracle, mixed_prompts, programs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,13 +33,7 @@ from minakv.worker.child import Failed, broken_group
 from minakv.worker.ranks import WorkerDied, result_of
 from minakv.worker.worker import StepResult
 
-SETTINGS = {
-    "device": "cpu",
-    "page_size": 4,
-    "kv_cache_tokens": 1024,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 24,
-}  # fmt: skip  (small chunks: prefill pieces and decodes share steps)
+SETTINGS = {**SMALL_STEPS, "kv_cache_tokens": 1024}
 GREEDY = SamplingParams(max_tokens=5, temperature=0, logprobs=0, ignore_eos=True)
 PD = {"prefill_devices": ["cpu"], "decode_devices": ["cpu"]}
 CASES = {  # name -> (preset, engine keywords)

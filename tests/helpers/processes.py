@@ -11,6 +11,10 @@ import time
 from minakv import Engine, SamplingParams
 from minakv.engine import Unavailable
 
+# Engine settings of the worker-process tests: small pages and small chunks, so prefill pieces and decodes
+# share steps (and pages cross between workers) within a few tokens.
+SMALL_STEPS = {"device": "cpu", "page_size": 4, "kv_cache_tokens": 2048, "max_num_seqs": 8,
+               "max_num_batched_tokens": 24}  # fmt: skip
 AGAIN = [[1, 2, 3, 4, 5], {"message_tokens": [[1, 2, 3], [4, 5, 6, 7], [8, 9]],
                            "cache": {"drop": {"2": [1]}, "reposition": [2]}}]  # fmt: skip
 
