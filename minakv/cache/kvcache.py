@@ -28,15 +28,9 @@ class KVCache:
     def num_pages(self) -> int:
         return self.pool.num_pages
 
-    def match(self, keys: list[PageKey]) -> list[int | None]:
-        """Per key, the cached page with exactly that content, or None. It does not stop at a missing
+    def match(self, keys: list[PageKey]) -> np.ndarray:
+        """Per key, the cached page with exactly that content (int64), or -1. It does not stop at a missing
         page: an evicted page leaves a hole and the pages after it still match."""
-        if not self.enabled:
-            return [None] * len(keys)
-        return self.index.match(keys, touch=False)
-
-    def match_pages(self, keys: list[PageKey]) -> np.ndarray:
-        """`match` as int64 pages, -1 where nothing is cached (what admission reads)."""
         if not self.enabled:
             return np.full(len(keys), -1, dtype=np.int64)
         return self.index.pages(keys)
@@ -56,14 +50,9 @@ class KVCache:
         """Cached pages a request found but does not read (an old stage, a dropped message): evict first."""
         self.index.touch(pages, dropped=True)
 
-    def allocate(self) -> int | None:
-        """A fresh page, evicting one cached page if none is free; None if nothing can be had."""
-        pages = self.allocate_many(1)
-        return pages[0] if pages else None
-
     def allocate_many(self, n: int) -> list[int]:
         """Up to n fresh pages: free ones first, then cached ones evicted (fewer only when nothing more can be
-        had). The very pages, in the same order, that n calls of `allocate` would give (`PageIndex.evict`)."""
+        had). The very pages, in the same order, that n allocations of one page would give (`PageIndex.evict`)."""
         pages = self.pool.allocate(min(n, self.pool.num_free))
         if len(pages) < n:
             evicted = self.index.evict(n - len(pages))

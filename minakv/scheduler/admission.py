@@ -40,7 +40,7 @@ def admission(r: Request, kv: KVCache) -> Admission:
     ps, plan = kv.page_size, r.plan
     num_pages = -(-plan.size // ps)
     pages = np.full(num_pages, -1, dtype=np.int64)
-    matched = kv.match_pages(r.page_keys[: plan.last_entry // ps])  # never the last token's page: logits
+    matched = kv.match(r.page_keys[: plan.last_entry // ps])  # never the last token's page: logits
     pages[: len(matched)] = matched
     have_page = pages >= 0
     have = np.repeat(have_page, ps)[: plan.size]

@@ -78,8 +78,10 @@ class Placement:
         group = _groups(reads, writes)
         load = [0.0] * len(self.prefill)
         cut: list[tuple[list[int], list[int]]] = [([], []) for _ in self.prefill]
-        for g in dict.fromkeys(group):  # (in the order of their first item)
-            items = [i for i in range(len(group)) if group[i] == g]
+        members: dict[int, list[int]] = {}  # group -> its items (groups in the order of their first item)
+        for i, g in enumerate(group):
+            members.setdefault(g, []).append(i)
+        for items in members.values():
             pages = np.unique(np.concatenate([reads[i] for i in items] + [writes[i] for i in items]))
             work = sum(tokens[i] for i in items)
             cost = [load[k] + TRANSFER_WEIGHT * page_size * len(table.lacking(h, pages))
