@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dummy", default=None, help="a real shape with dummy weights (gpt-oss-20b, gpt-oss-120b)"
     )
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--kv-tokens", type=int, default=None, help="KV pool size (default: what the batches need)"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = p.parse_args(argv)
     for name, (full, tiny) in SIZES.items():
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     longest = args.n2 + math.ceil(top * args.prompt / args.max_num_batched_tokens) + 8
     options = {
         "page_size": args.page_size,
-        "kv_cache_tokens": top * (args.prompt + longest + 16),
+        "kv_cache_tokens": args.kv_tokens or top * (args.prompt + longest + 16),
         "max_num_seqs": max(64, top),
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_cache": False,
@@ -152,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters()) + sum(
         2 * b.numel() for b in model.buffers() if b.dtype == torch.uint8
     )
-    print(f"model: {params / 1e9:.2f} B parameters on {DEVICE}, built in {time.perf_counter() - t:.1f} s")
+    kv_tokens = engine.scheduler.kv.num_pages * args.page_size
+    print(f"model: {params / 1e9:.2f} B parameters on {DEVICE}, built in {time.perf_counter() - t:.1f} s; "
+          f"KV pool {kv_tokens} tokens")  # fmt: skip
     gen = torch.Generator().manual_seed(1)
 
     def prompts(batch: int) -> list[list[int]]:
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
 
     log = Log()
     env = f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'} torch {torch.__version__}"
-    log.add("env", env=env, params=params, copy_bw=bw, args=vars(args))
+    log.add("env", env=env, params=params, copy_bw=bw, args=vars(args), kv_tokens=kv_tokens)
     rows: dict[tuple[int, str], dict] = {}
     for batch in args.batches:  # timings first: they use generate, before stream starts the engine thread
         context = args.prompt + (args.n1 + args.n2) / 2

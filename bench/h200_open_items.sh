@@ -27,7 +27,7 @@ for step in $STEPS; do
         host) timeout 200 python3 bench/agent_replay.py --modes kv_drop --sample-host ;;
         sweep) timeout 200 python3 bench/decode_sweep.py --batches 1,128,256 --prompt 400 --repeats 2 ;;
         mxfp4) timeout 240 python3 bench/mxfp4_variants.py --out "$OUT/mxfp4_variants.json" ;;
-        dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 ;;
+        dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 ;;
         dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
         throughput) timeout 400 python3 bench/throughput.py ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;

@@ -142,6 +142,25 @@ def test_variants_match_reference(path: str, knobs: dict, t: int) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("t", [1, 17])
+def test_scaled_mode_matches_reference(path: str, t: int) -> None:
+    """Mode "scaled" (tl.dot_scaled on the packed bytes) takes bf16 activations: against float64 on the
+    same bf16 inputs, within the bf16 rounding of the intermediate h (a wrong nibble order, scale or
+    mask gives errors of order 1). Masked edges as in test_variants_match_reference."""
+    args, ref = case("swiglu_oai", t, e=3, h=96, i=160, seed=t)
+    args[0] = args[0].bfloat16()
+    gate_up = dequantize_mxfp4(args[1]["gate_up_blocks"], args[1]["gate_up_scales"])
+    down = dequantize_mxfp4(args[1]["down_blocks"], args[1]["down_scales"])
+    ref = moe_reference(args[0].float(), gate_up, down, *args[2:6], "swiglu_oai", LIMIT, ALPHA)
+    knobs = {"block_m": 16} if path == "grouped" else {}
+    out = PATHS[path](*args, block_n=32, block_k=64, mode="scaled", **knobs)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < 1e-2, err
+
+
+@interpreted
 def test_grouped_bf16_mode() -> None:
     """Dequantize once (the Triton kernel, equal to dequantize_mxfp4 bit for bit), then the grouped GEMM."""
     from minakv.ops.mxfp4_grouped import dequantize_mxfp4_bf16

@@ -43,6 +43,7 @@ from minakv.ops.mxfp4_tile import (
     mxfp4_acc,
     packed_rows,
     packed_shapes,
+    scaled_mode,
     split_col,
 )  # fmt: skip
 from minakv.ops.triton_util import check
@@ -65,6 +66,7 @@ def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias
         down = dequantize_mxfp4_bf16(w["down_blocks"], w["down_scales"], x.dtype)
         return moe_grouped(x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation,
                            limit, alpha)  # fmt: skip
+    mode = scaled_mode(mode, x)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     order, counts, starts, tile_ends, max_tiles = group_by_expert(topk_ids, num_experts, block_m)
@@ -87,7 +89,7 @@ def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias
 
     h = torch.empty(
         num_pairs, inter, dtype=x.dtype, device=x.device
-    )  # sorted rows, split columns unless mode 0
+    )  # sorted rows, split columns in modes 1-3
     _gate_up_kernel[(max_tiles * triton.cdiv(inter, block_n),)](
         x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, *plan, h,
         hidden, inter, k, float(limit), float(alpha),
@@ -138,7 +140,7 @@ def _gate_up_kernel(
             None, :
         ]
     act = activate_tile(acc_gate, acc_up, limit, alpha, ACT)
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + split_col(offs_n, I, MODE != 0)[None, :]
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h + split_col(offs_n, I, MODE)[None, :]
     tl.store(h_rows, act.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 

@@ -41,6 +41,7 @@ from minakv.ops.mxfp4_tile import (
     mxfp4_acc,
     packed_rows,
     packed_shapes,
+    scaled_mode,
     split_col,
 )
 from minakv.ops.quant import dequantize_mxfp4
@@ -89,11 +90,12 @@ def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
 
 def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                     limit=7.0, alpha=1.702, *, sum_k: bool = True, block_m: int | None = None, block_n: int = 32,
-                    block_k: int = 128, num_warps: int = 4, num_stages: int = 3, mode: str = "split",
+                    block_k: int = 128, num_warps: int = 4, num_stages: int = 3, mode: str = "scaled",
                     slots: str = "auto") -> torch.Tensor:  # fmt: skip
     """The decode path: two kernels, each chosen expert's packed weights read once. The keyword-only knobs
     are for benchmarks and tests (block_k: a multiple of 32). mode: how a tile is consumed (mxfp4_tile.MODES);
-    "split" is the default: on the H200 it took 0.092 ms for 20b at one token, "interleave" 0.146.
+    "scaled" (tl.dot_scaled; "split" for activations other than bf16) is the default. On the H200 "split"
+    took 0.092 ms for 20b at one token, "interleave" 0.146 (RESULTS.md "MXFP4 MoE kernels").
     slots: "experts", a program row per expert (most return at once when T*k << E); "pairs", a program row
     per pair, the first pair of each expert serving it (the others return): T*k rows instead of E; "auto"
     (the default), the fewer: on the H200 at one token 0.093 ms against 0.130 for 120b's 128 experts, 0.092
@@ -102,6 +104,7 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     check(mode in MODES and slots in ("experts", "pairs", "auto"), f"mode {mode!r}, slots {slots!r}")
+    mode = scaled_mode(mode, x)
     by_pair = slots == "pairs" or (slots == "auto" and num_pairs < num_experts)
     if block_m is None:  # twice the average rows per expert (most experts in one pass), >= a tensor-core tile
         block_m = triton.next_power_of_2(triton.cdiv(2 * num_pairs, num_experts))
@@ -126,7 +129,7 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     }
     rows = num_pairs if by_pair else num_experts
 
-    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # split columns unless mode 0
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # split columns in modes 1-3
     _gate_up_kernel[(rows, triton.cdiv(inter, block_n))](
         x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h,
         num_pairs, hidden, inter, k, float(limit), float(alpha),
@@ -181,7 +184,7 @@ def _gate_up_kernel(
     if HAS_BIAS:
         b_gate = tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         b_up = tl.load(b_ptr + expert * stride_bias + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    h_cols = split_col(offs_n, I, MODE != 0)  # the down kernel reads h's halves contiguously
+    h_cols = split_col(offs_n, I, MODE)  # the down kernel reads h's halves contiguously
     for m0 in range(0, count, BLOCK_M):
         m_ok = m0 + tl.arange(0, BLOCK_M) < count
         pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)

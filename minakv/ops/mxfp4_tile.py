@@ -53,8 +53,10 @@ from minakv.ops.moe_groups import ACTIVATIONS
 from minakv.ops.triton_util import check, interpreting
 
 # how the GEMMs consume a packed tile: 0 the interleaved tile and one tl.dot; 1 the even / odd halves and two
-# tl.dot; 2 the halves with fp32 multiply-and-sum (no tensor cores: a dot pads one row to 16)
-MODES = {"interleave": 0, "split": 1, "fma": 2, "swap": 3}
+# tl.dot; 2 the halves with fp32 multiply-and-sum (no tensor cores: a dot pads one row to 16); 3 "split" with
+# the weights as the dot's left operand; 4 the packed bytes and scales straight to tl.dot_scaled, which
+# upcasts them in the MMA operand's own layout (bf16 activations only, see `scaled_mode`)
+MODES = {"interleave": 0, "split": 1, "fma": 2, "swap": 3, "scaled": 4}
 KEYS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
 
 
@@ -88,6 +90,12 @@ def packed_shapes(x: torch.Tensor, w: dict[str, torch.Tensor], topk_ids: torch.T
         check(t.stride()[2:] == inner, f"{name} must be contiguous in its last dims, strides {t.stride()}")
     check(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0], f"topk_ids is {tuple(topk_ids.shape)}")
     return num_experts, hidden, inter
+
+
+def scaled_mode(mode: str, x: torch.Tensor) -> str:
+    """`mode`, except "scaled" on activations that are not bf16: tl.dot_scaled takes bf16 activations
+    (an fp32 or fp16 dot, as the CPU tests run, keeps the in-register "split" tiles)."""
+    return "split" if mode == "scaled" and x.dtype != torch.bfloat16 else mode
 
 
 def dot_dtypes(x: torch.Tensor) -> tuple[bool, bool]:
@@ -210,11 +218,12 @@ def load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexp
 
 @triton.jit
 def load_act(a_rows, m_ok, k0, K, BLOCK_K: tl.constexpr, MODE: tl.constexpr, A_SPLIT: tl.constexpr):
-    """Activations A[rows, k0 : k0 + BLOCK_K] for `mxfp4_acc` -> (a, a) in mode 0, else (even, odd columns).
+    """Activations A[rows, k0 : k0 + BLOCK_K] for `mxfp4_acc` -> (a, a) in modes 0 and 4, else (even, odd
+    columns).
     a_rows: [BM, 1] row pointers; A_SPLIT: the row is stored [even columns | odd columns] (h, written so by
     the first kernel), else interleaved as usual (x: read with stride 2, its rows are small and cached)."""
     # (one return per static branch: compiled Triton checks every return it visits for the same type)
-    if MODE == 0:
+    if MODE == 0 or MODE == 4:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         even = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         odd = even
@@ -236,6 +245,8 @@ def mxfp4_acc(a0, a1, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.con
     """acc [BM, BN] + A[:, k0 : k0 + BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T, (a0, a1) from `load_act`."""
     if MODE == 0:
         out = dot_wt(a0, load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16), acc, F32_DOT)
+    elif MODE == 4:
+        out = dot_packed(a0, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K)
     elif MODE == 1:
         w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
         out = dot_wt(a1, w1, dot_wt(a0, w0, acc, F32_DOT), F32_DOT)
@@ -250,10 +261,29 @@ def mxfp4_acc(a0, a1, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.con
 
 
 @triton.jit
-def split_col(offs_n, N, SPLIT: tl.constexpr):
-    """Where column n of an [.., N] row goes when stored split ([even columns | odd columns])."""
-    if SPLIT:
-        cols = (offs_n % 2) * (N // 2) + offs_n // 2
-    else:
+def dot_packed(a, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constexpr):
+    """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T by tl.dot_scaled: the bytes go in as the [BLOCK_K / 2, BN] e2m1
+    operand (our packing is the OCP one it expects: the low nibble is the even input) with the [BN,
+    BLOCK_K / 32] E8M0 scales. Triton loads the bytes to shared memory in its pipeline, reads them in the
+    MMA operand's layout and upcasts there, so no dequantized tile is ever shuffled between layouts."""
+    tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    bytes_t = tl.load(
+        tl.trans(byte_rows) + offs_b[:, None], mask=row_ok[None, :] & (offs_b < K // 2)[:, None], other=0
+    )
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scales = tl.load(
+        scale_rows + offs_g[None, :], mask=row_ok[:, None] & (offs_g < K // 32)[None, :], other=0
+    )
+    return tl.dot_scaled(a, None, "bf16", bytes_t, scales, "e2m1", acc)
+
+
+@triton.jit
+def split_col(offs_n, N, MODE: tl.constexpr):
+    """Where column n of an [.., N] row goes: stored split ([even columns | odd columns]) for the modes that
+    read activations as halves (1-3), in place for the others."""
+    if MODE == 0 or MODE == 4:
         cols = offs_n
+    else:
+        cols = (offs_n % 2) * (N // 2) + offs_n // 2
     return cols
