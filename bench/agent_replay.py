@@ -61,6 +61,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import gpu_gaps
 from common import Log
 from e2e_decode import DEVICE, build_ours, configs
 from host_sampler import print_samples, sample_thread
@@ -227,9 +228,9 @@ def sync() -> None:
 
 
 @contextmanager
-def profiled(enabled: bool, api_table: bool = False) -> Iterator[dict]:
+def profiled(enabled: bool, api_table: bool = False, keep: bool = False) -> Iterator[dict]:
     """Profile the block on CUDA; afterwards the dict holds wall_s and the GPU busy fractions (None on CPU
-    or when disabled)."""
+    or when disabled), and with `keep` the profile itself ("profile")."""
     found: dict = {"gpu_busy": None, "gpu_kernel_sum_fraction": None}
     if not enabled or DEVICE != "cuda":
         sync()
@@ -249,6 +250,8 @@ def profiled(enabled: bool, api_table: bool = False) -> Iterator[dict]:
         yield found
         sync()
         found["wall_s"] = wall = time.perf_counter() - start
+    if keep:
+        found["profile"] = prof
     try:  # a measurement, not the benchmark: never lose the run to a profiler quirk
         found.update(gpu_busy(prof, wall))
         if api_table:
@@ -403,13 +406,18 @@ def run_mode(model, mode: str, args: argparse.Namespace, kv_tokens: int | None, 
     sampler = sample_thread(engine._thread) if args.sample_host else nullcontext({})
     # the agents' own thread shares the GIL with the engine thread: what it does costs the engine time
     clients = sample_thread(threading.main_thread()) if args.sample_host else nullcontext({})
+    gaps = args.gaps and DEVICE == "cuda" and not args.no_profile
     with (
-        profiled(not args.no_profile, args.api_table) as prof,
+        profiled(not args.no_profile, args.api_table, keep=gaps) as prof,
         sampler as host,
         clients as client_host,
         sync_warnings(args.sync_debug),
+        gpu_gaps.phase_log(engine) if gaps else nullcontext([]) as phases,
     ):
+        marker = gpu_gaps.mark() if gaps else 0.0
         last = asyncio.run(run_agents(engine, agents, range(args.rounds - 1, args.rounds), args))
+    if gaps and prof.get("profile") is not None:
+        gpu_gaps.print_report(gpu_gaps.attribute(prof.pop("profile"), marker, phases), f"{mode}, last round")
     if host:
         print_samples(host, f"{mode}, last round")
         print_samples(client_host, f"{mode}, last round, the agents' (main) thread")
@@ -506,6 +514,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-table", action="store_true", help="print host time by op and CUDA runtime call")
     p.add_argument("--sync-debug", action="store_true", help="report host-device syncs in the last round")
     p.add_argument("--host-only", action="store_true", help="no model compute: time the host's work alone")
+    p.add_argument("--gaps", action="store_true", help="attribute the last round's device idle time (CUDA)")
     args = p.parse_args(argv)
     for name, (full, tiny) in SIZES.items():
         if getattr(args, name) is None:

@@ -22,7 +22,7 @@ for step in $STEPS; do
     log="$OUT/$step.log"
     echo "=== $step ($(date -u +%H:%M:%S)), log: $log"
     case $step in
-        replay) timeout 300 python3 bench/agent_replay.py --modes plain,kv_drop,text_drop ;;
+        replay) timeout 300 python3 bench/agent_replay.py --modes plain,kv_drop,text_drop --gaps ;;
         long) timeout 200 python3 bench/agent_replay.py --agents 4 --rounds 28 --tool-tokens 4000 --modes plain,kv_drop ;;
         host) timeout 200 python3 bench/agent_replay.py --modes kv_drop --sample-host ;;
         sweep) timeout 200 python3 bench/decode_sweep.py --batches 1,128,256 --prompt 400 --repeats 2 ;;
