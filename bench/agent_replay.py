@@ -367,6 +367,34 @@ class HostOnlyWorker:
         return StepResult([1] * n, [None] * n)
 
 
+class SimulatedWorker(HostOnlyWorker):
+    """--simulate: the host-only worker plus a pretend device that runs one step at a time for
+    STEP_S + PREFILL_S per computed prompt token (roughly the H200's, gpt-oss-20b shape) and makes `collect`
+    wait for it, as the real one waits for a step's event. The device's busy intervals give the fraction
+    of the last round it idled on a CPU-only machine, so a scheduling change can be judged before a GPU
+    run (the host here is slower than the GPU machine's, so the idle is overstated)."""
+
+    STEP_S, PREFILL_S = 3.5e-3, 30e-6
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+        self.busy: list[tuple[float, float]] = []
+
+    def launch(self, batch) -> Launched:
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + self.STEP_S + self.PREFILL_S * (batch.num_tokens - batch.num_decode)
+        self.busy.append((start, self.free_at))
+        return Launched(self.free_at, None, batch.sample_params, len(batch.sample_rows))
+
+    def collect(self, launched: Launched) -> StepResult:
+        time.sleep(max(0.0, launched.packed - time.perf_counter()))
+        return super().collect(launched)
+
+    def busy_fraction(self, start: float, end: float) -> float:
+        spans = sum(min(b, end) - max(a, start) for a, b in self.busy if b > start and a < end)
+        return spans / (end - start)
+
+
 def warm_up(engine: Engine, args: argparse.Namespace, vocab: int) -> None:
     """Compile kernels, capture graphs and let the allocators grow: C concurrent requests of a round's size
     (a tool result among short messages) with a drop and a reposition, so the first mode measured pays no
@@ -395,8 +423,8 @@ def run_mode(model, mode: str, args: argparse.Namespace, kv_tokens: int | None, 
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    if args.host_only:
-        engine.worker = HostOnlyWorker()
+    if args.host_only or args.simulate:
+        engine.worker = SimulatedWorker() if args.simulate else HostOnlyWorker()
     warm_up(engine, args, vocab)
     agents = make_agents(args.agents, args.rounds, args, vocab, args.data_seed)
     stats0 = engine.stats()
@@ -415,7 +443,10 @@ def run_mode(model, mode: str, args: argparse.Namespace, kv_tokens: int | None, 
         gpu_gaps.phase_log(engine) if gaps else nullcontext([]) as phases,
     ):
         marker = gpu_gaps.mark() if gaps else 0.0
+        t0 = time.perf_counter()
         last = asyncio.run(run_agents(engine, agents, range(args.rounds - 1, args.rounds), args))
+        if args.simulate:  # the pretend device's busy fraction stands in for the profiler's
+            prof["gpu_busy"] = engine.worker.busy_fraction(t0, time.perf_counter())
     if gaps and prof.get("profile") is not None:
         gpu_gaps.print_report(gpu_gaps.attribute(prof.pop("profile"), marker, phases), f"{mode}, last round")
     if host:
@@ -515,6 +546,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-debug", action="store_true", help="report host-device syncs in the last round")
     p.add_argument("--host-only", action="store_true", help="no model compute: time the host's work alone")
     p.add_argument("--gaps", action="store_true", help="attribute the last round's device idle time (CUDA)")
+    p.add_argument(
+        "--simulate", action="store_true", help="no model compute: a pretend device (SimulatedWorker)"
+    )
     args = p.parse_args(argv)
     for name, (full, tiny) in SIZES.items():
         if getattr(args, name) is None:

@@ -66,6 +66,7 @@ GROUPED = [
         "grouped scaled bm64 bn128 bk128 w4",
         {"mode": "scaled", "block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4},
     ),
+    ("grouped bf16 once", {"mode": "bf16"}),
     ("grouped default", {}),
 ]
 

@@ -23,9 +23,11 @@ and out[t] = the plain sum of y over t's k slots, as in the fused path. Programs
 (a tile's column blocks run side by side), so a tile's activation rows are read from L2, and an expert's
 consecutive tiles reuse its weights from L2 too.
 
-At thousands of tokens each weight tile is dequantized once per BLOCK_M rows, many times per layer; mode
-"bf16" instead dequantizes all the experts once (`dequantize_mxfp4_bf16`, a bandwidth-bound kernel) into a
-transient bf16 copy (4x the packed bytes: 1.6 GB for a gpt-oss-20b layer) and runs the bf16 grouped GEMM.
+At thousands of tokens each weight tile is dequantized once per BLOCK_M rows, many times per layer. The
+default mode, "scaled", hands the packed tile to tl.dot_scaled, which upcasts it in the MMA operand's
+layout (the cheapest dequantization Triton offers); mode "bf16" instead dequantizes all the experts once
+(`dequantize_mxfp4_bf16`, a bandwidth-bound kernel) into a transient bf16 copy (4x the packed bytes: 1.6 GB
+for a gpt-oss-20b layer) and runs the bf16 grouped GEMM.
 """
 
 from __future__ import annotations
@@ -50,13 +52,16 @@ from minakv.ops.triton_util import check
 
 
 def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
-                      limit=7.0, alpha=1.702, *, block_m: int = 128, block_n: int = 64, block_k: int = 64,
-                      num_warps: int = 8, num_stages: int = 3, mode: str = "bf16") -> torch.Tensor:  # fmt: skip
+                      limit=7.0, alpha=1.702, *, block_m: int = 128, block_n: int | None = None,
+                      block_k: int | None = None, num_warps: int = 8, num_stages: int = 3,
+                      mode: str = "scaled") -> torch.Tensor:  # fmt: skip
     """The prefill path: tiles of block_m rows of one expert. The keyword-only knobs are for benchmarks and
     tests (block_k: a multiple of 32). mode: a tile mode of mxfp4_tile.MODES, or "bf16" (module docstring;
-    the block knobs are then unused). "bf16" is the default: on the H200 (bench/mxfp4_variants.py, RESULTS.md
-    "MXFP4 MoE kernels") it beat every in-register mode from 256 tokens up, e.g. 20b at 4096 tokens 3.4 ms
-    against 9.96 ms for the best tile mode (128 x 128 x 64 blocks, the defaults of the tile modes here)."""
+    the block knobs are then unused). "scaled" (tl.dot_scaled; "split" for activations other than bf16) is
+    the default, with 128 x 128 x 128 blocks (64 x 64 for the other modes): on the H200 (bench/
+    mxfp4_variants.py, RESULTS.md "MXFP4 MoE kernels") it beat "bf16" at 256 and 1,024 tokens (20b: 0.94 ms
+    against 1.24, 1.37 against 1.70; 120b at 4,096: 4.85 against 6.40) and came close at 20b, 4,096 tokens
+    (3.63 against 3.44)."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     check(mode in MODES or mode == "bf16", f"unknown mode {mode!r}")
     if mode == "bf16":
@@ -67,6 +72,8 @@ def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias
         return moe_grouped(x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation,
                            limit, alpha)  # fmt: skip
     mode = scaled_mode(mode, x)
+    block_n = block_n or (128 if mode == "scaled" else 64)
+    block_k = block_k or (128 if mode == "scaled" else 64)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     order, counts, starts, tile_ends, max_tiles = group_by_expert(topk_ids, num_experts, block_m)

@@ -89,13 +89,15 @@ def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
 
 
 def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
-                    limit=7.0, alpha=1.702, *, sum_k: bool = True, block_m: int | None = None, block_n: int = 32,
-                    block_k: int = 128, num_warps: int = 4, num_stages: int = 3, mode: str = "scaled",
-                    slots: str = "auto") -> torch.Tensor:  # fmt: skip
+                    limit=7.0, alpha=1.702, *, sum_k: bool = True, block_m: int | None = None,
+                    block_n: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                    mode: str = "auto", slots: str = "auto") -> torch.Tensor:  # fmt: skip
     """The decode path: two kernels, each chosen expert's packed weights read once. The keyword-only knobs
-    are for benchmarks and tests (block_k: a multiple of 32). mode: how a tile is consumed (mxfp4_tile.MODES);
-    "scaled" (tl.dot_scaled; "split" for activations other than bf16) is the default. On the H200 "split"
-    took 0.092 ms for 20b at one token, "interleave" 0.146 (RESULTS.md "MXFP4 MoE kernels").
+    are for benchmarks and tests (block_k: a multiple of 32). mode: how a tile is consumed (mxfp4_tile.MODES),
+    or "auto" (the default): "split" with 32 output columns per program while the pairs are fewer than the
+    experts, else "scaled" (tl.dot_scaled; "split" for activations other than bf16) with 64. On the H200
+    (RESULTS.md "MXFP4 MoE kernels", `cc65c7e` and this session's run) at one token split took 0.093 ms
+    against 0.101 for scaled, at 8 tokens 0.365 against 0.343, at 64 tokens 0.681 against 0.490 (20b).
     slots: "experts", a program row per expert (most return at once when T*k << E); "pairs", a program row
     per pair, the first pair of each expert serving it (the others return): T*k rows instead of E; "auto"
     (the default), the fewer: on the H200 at one token 0.093 ms against 0.130 for 120b's 128 experts, 0.092
@@ -103,8 +105,15 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
-    check(mode in MODES and slots in ("experts", "pairs", "auto"), f"mode {mode!r}, slots {slots!r}")
+    check(
+        (mode in MODES or mode == "auto") and slots in ("experts", "pairs", "auto"),
+        f"mode {mode!r}, slots {slots!r}",
+    )
+    if mode == "auto":
+        mode = "split" if num_pairs < num_experts else "scaled"
     mode = scaled_mode(mode, x)
+    if block_n is None:
+        block_n = 64 if mode == "scaled" else 32
     by_pair = slots == "pairs" or (slots == "auto" and num_pairs < num_experts)
     if block_m is None:  # twice the average rows per expert (most experts in one pass), >= a tensor-core tile
         block_m = triton.next_power_of_2(triton.cdiv(2 * num_pairs, num_experts))

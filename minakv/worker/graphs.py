@@ -8,7 +8,9 @@ once for a padded shape:
   position 0 and write their K/V into a scratch slot past the end of the pool, which no request owns;
 - the decode kernel's split of the key range is frozen at capture, so a graph is captured for a bound on
   every request's key count (a power of two, >= 256) and serves all steps under that bound (the kernel
-  reads the real ranges from the start/end pointers, so fewer keys are fine).
+  reads the real ranges from the start/end pointers, so fewer keys are fine);
+- a step with no graph of its own replays one captured for up to twice its batch bucket and four times
+  its key bound if there is one, rather than capture (`_covering`).
 
 The keys themselves live in the worker's key table (a static device tensor the graph reads). The graph's
 other inputs live in one static int64 buffer per graph, `[ids | positions | slots | kv_start | kv_end]`
@@ -73,7 +75,7 @@ class DecodeGraphs:
         `resolve(ids)` replaces the ids still on the device (negative) by the previous step's tokens."""
         n = batch.num_decode
         key = (bucket_batch(n), bucket_keys(max(batch.decode_lens) + 1))
-        g = self.graphs.get(key)
+        g = self.graphs.get(key) or self._covering(*key)
         if g is None:
             g = self._capture(*key)
             if g is None:
@@ -90,6 +92,15 @@ class DecodeGraphs:
         ids.copy_(resolve(ids))
         g.graph.replay()
         return g.logits[:n]
+
+    def _covering(self, b: int, max_keys: int) -> _Graph | None:
+        """A captured graph that can serve (b, max_keys) at little extra cost: at most twice the batch and
+        four times the key bound (a decode step reads the weights once whatever the batch, and splits past
+        the real keys return at once). Capturing runs the model eagerly three times (~0.1 s with the
+        device idle), which a step that a graph already covers need not wait for: agents finishing a
+        round one by one step through batch sizes no round had before."""
+        fits = [key for key in self.graphs if b <= key[0] <= 2 * b and max_keys <= key[1] <= 4 * max_keys]
+        return self.graphs[min(fits)] if fits else None
 
     def _forward(self, buffer: torch.Tensor, b: int, max_keys: int) -> torch.Tensor:
         ids, positions, slots, kv_start, kv_end = buffer.split(b)
