@@ -35,11 +35,6 @@ from minakv.worker.worker import StepResult
 # History tokens `_admit` plans in one call while other requests run (~2 ms of planning); beyond that,
 # planning waits for `prepare`, which runs while the device computes the step just launched.
 PLAN_INLINE_TOKENS = 8192
-# History tokens `_admit` admits in one call once it has admitted a request (admission matches, holds and
-# allocates pages: milliseconds for a long history). The step is launched with what is admitted so far
-# and the rest join the next step, admitted while the device computes this one; admitting every waiting
-# agent at once held a launch back by tens of milliseconds with the device idle (bench/gpu_gaps.py).
-ADMIT_INLINE_TOKENS = 16384
 
 
 class Scheduler:
@@ -207,13 +202,11 @@ class Scheduler:
         # prefill work already admitted: planning more than the next step can compute only delays it (the
         # rest is planned during later steps, while the device computes these)
         queued = sum(self._tokens_left(r) for r in self.running)
-        planned = admitted = 0  # history tokens planned, admitted in this call
+        planned = 0  # history tokens planned in this call
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             r = self.waiting[0]
             if queued >= self.config.max_num_batched_tokens or r.pending:
                 break  # (a request preempted just now may still have a token on the device: plan it after)
-            if admitted and admitted + r.num_tokens > ADMIT_INLINE_TOKENS:
-                break
             if any(x.suspect for x in self.running) or (r.suspect and self.running):
                 break  # a suspect runs alone (see quarantine)
             if r.plan is None:
@@ -247,7 +240,6 @@ class Scheduler:
             self.running.append(r)
             self._ensure_pages(r, r.num_entries)
             queued += self._tokens_left(r)
-            admitted += r.num_tokens
         return failed
 
     def prepare(self, limit: int = 2) -> None:
