@@ -7,6 +7,7 @@ the clamped SwiGLU, bf16 activations, at T = 1, 8, 64, 256, 1024, 4096 tokens it
                           registers: the default until "scaled"); "fused default": its defaults
     fused <mode> ...      tile modes of mxfp4_tile.MODES ("scaled": tl.dot_scaled on the packed bytes) with
                           the per-pair grid (slots=auto) and a few block shapes    (T <= 64, and T = 256)
+    fused ... split-K k   K split over k programs per output block (partial sums, then a finishing pass)
     grouped baseline      moe_mxfp4_grouped in mode "split"; "grouped default": its defaults   (T >= 256)
     grouped scaled        tl.dot_scaled tiles at a few block shapes ("interleave", "swap" and "fma",
                           slower everywhere in earlier runs, are left to the tests)
@@ -56,6 +57,10 @@ FUSED = [("fused baseline", {"mode": "split"}), ("fused default", {})] + [
         ("scaled", 64, 256, 8),
         ("scaled", 128, 128, 8),
     )
+] + [
+    (f"fused {mode} bn{n} split-K {k}", {"mode": mode, "block_n": n, "splits": k})
+    for mode, n in (("split", 32), ("scaled", 64))
+    for k in (2, 4)
 ]  # fmt: skip
 GROUPED = [
     ("grouped baseline", {"mode": "split"}),

@@ -238,6 +238,15 @@ def _mxfp4_modes() -> tuple[str, ...]:
     return tuple(MODES)
 
 
+@case("mxfp4_fused-split_k")
+def _mxfp4_fused_split_k() -> None:
+    """Split-K: the kernels' partial-sum stores and the gate/up finishing kernel."""
+    from minakv.ops.mxfp4_moe import moe_mxfp4_fused
+
+    for mode in ("scaled", "split"):
+        moe_mxfp4_fused(*_mxfp4_layer(2), mode=mode, splits=2, sum_k=False)
+
+
 for _mode in _mxfp4_modes():
     CASES[f"mxfp4_fused-{_mode}"] = lambda mode=_mode: _mxfp4_fused_mode(mode)
 for _mode in (*_mxfp4_modes(), "bf16"):

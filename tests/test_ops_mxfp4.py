@@ -124,6 +124,8 @@ VARIANTS = [  # (path, knobs) beyond the defaults: each tile mode, and the fused
     ("fused", {"mode": "fma", "block_m": 1}),
     ("fused", {"mode": "split", "slots": "pairs"}),
     ("fused", {"mode": "interleave", "slots": "pairs"}),
+    ("fused", {"mode": "split", "splits": 2}),  # split-K: partials summed by _gate_up_finish / here
+    ("fused", {"mode": "split", "slots": "pairs", "splits": 3}),  # H has 2 K blocks: one split is empty
     ("grouped", {"mode": "interleave", "block_m": 16}),
     ("grouped", {"mode": "split", "block_m": 16}),
     ("grouped", {"mode": "swap", "block_m": 16}),
@@ -153,11 +155,21 @@ def test_scaled_mode_matches_reference(path: str, t: int) -> None:
     gate_up = dequantize_mxfp4(args[1]["gate_up_blocks"], args[1]["gate_up_scales"])
     down = dequantize_mxfp4(args[1]["down_blocks"], args[1]["down_scales"])
     ref = moe_reference(args[0].float(), gate_up, down, *args[2:6], "swiglu_oai", LIMIT, ALPHA)
-    knobs = {"block_m": 16} if path == "grouped" else {}
+    knobs = {"block_m": 16} if path == "grouped" else {"splits": 2}
     out = PATHS[path](*args, block_n=32, block_k=64, mode="scaled", **knobs)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     err = float((out.double() - ref).norm() / ref.norm())
     assert err < 1e-2, err
+
+
+@interpreted
+def test_split_k_parts_sum_to_the_output() -> None:
+    """sum_k=False with split-K: [T, k * splits, H] fp32 parts that add up to the summed output (the
+    model's add_rms_norm sums them), the bias counted once."""
+    args, ref = case("swiglu_oai", 3, e=3, h=96, i=160, seed=5)
+    parts = moe_mxfp4_fused(*args, block_n=32, block_k=32, mode="split", splits=2, sum_k=False)
+    assert parts.shape == (3, 2 * 2, 96) and parts.dtype == torch.float32
+    assert_matches(parts.sum(1), ref)
 
 
 @interpreted

@@ -91,7 +91,7 @@ def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
 def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                     limit=7.0, alpha=1.702, *, sum_k: bool = True, block_m: int | None = None,
                     block_n: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    mode: str = "auto", slots: str = "auto") -> torch.Tensor:  # fmt: skip
+                    mode: str = "auto", slots: str = "auto", splits: int = 1) -> torch.Tensor:  # fmt: skip
     """The decode path: two kernels, each chosen expert's packed weights read once. The keyword-only knobs
     are for benchmarks and tests (block_k: a multiple of 32). mode: how a tile is consumed (mxfp4_tile.MODES),
     or "auto" (the default): "split" with 32 output columns per program while the pairs are fewer than the
@@ -101,13 +101,16 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     slots: "experts", a program row per expert (most return at once when T*k << E); "pairs", a program row
     per pair, the first pair of each expert serving it (the others return): T*k rows instead of E; "auto"
     (the default), the fewer: on the H200 at one token 0.093 ms against 0.130 for 120b's 128 experts, 0.092
-    against 0.105 for 20b's 32."""
+    against 0.105 for 20b's 32. splits: programs per output block along K (split-K: more programs, and
+    more bytes in flight, when few pairs leave the GPU's SMs short of work; docs/kernels.md). Each writes
+    fp32 partial sums: gate/up's are summed by a small kernel that applies bias and activation, down's
+    are returned as extra parts (sum_k=False: [T, k * splits, H]) or summed here. Not measured yet."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     check(
-        (mode in MODES or mode == "auto") and slots in ("experts", "pairs", "auto"),
-        f"mode {mode!r}, slots {slots!r}",
+        (mode in MODES or mode == "auto") and slots in ("experts", "pairs", "auto") and splits >= 1,
+        f"mode {mode!r}, slots {slots!r}, splits {splits!r}",
     )
     if mode == "auto":
         mode = "split" if num_pairs < num_experts else "scaled"
@@ -133,30 +136,48 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
         "BLOCK_K": block_k,
         "BF16": bf16,
         "F32_DOT": f32_dot,
+        "SPLITS": splits,
         "num_warps": num_warps,
         "num_stages": num_stages,
     }
     rows = num_pairs if by_pair else num_experts
+    gate_up_bias_arg = gate_up_bias if gate_up_bias is not None else dummy
+    gate_up_bias_stride = gate_up_bias.stride(0) if gate_up_bias is not None else 0
 
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # split columns in modes 1-3
-    _gate_up_kernel[(rows, triton.cdiv(inter, block_n))](
-        x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h,
-        num_pairs, hidden, inter, k, float(limit), float(alpha),
-        x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0), gus.stride(1),
-        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
-        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], **meta,
+    # with split-K the kernel writes fp32 partials [splits, pairs, gate I | up I] instead of h
+    partial = (
+        torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device) if splits > 1 else h
+    )
+    _gate_up_kernel[(rows, triton.cdiv(inter, block_n), splits)](
+        x, gub, gus, gate_up_bias_arg, ids, partial,
+        num_pairs, hidden, inter, k, float(limit), float(alpha), k_per_split(hidden, block_k, splits),
+        x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0), gus.stride(1), gate_up_bias_stride,
+        partial.stride(-2), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], **meta,
     )  # fmt: skip
-    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    if splits > 1:
+        _gate_up_finish[(num_pairs, triton.cdiv(inter, 256))](
+            partial, gate_up_bias_arg, ids, h, num_pairs, inter, float(limit), float(alpha), gate_up_bias_stride,
+            h.stride(0), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], MODE=MODES[mode],
+            SPLITS=splits, BLOCK=256,
+        )  # fmt: skip
+    # down: row pair * splits + s holds split s's part, so the parts of a token stay together
+    y = torch.empty(num_pairs * splits, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _down_kernel[(rows, triton.cdiv(hidden, block_n))](
+    _down_kernel[(rows, triton.cdiv(hidden, block_n), splits)](
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y,
-        num_pairs, inter, hidden, h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
-        down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
+        num_pairs, inter, hidden, k_per_split(inter, block_k, splits), h.stride(0), db.stride(0), db.stride(1),
+        ds.stride(0), ds.stride(1), down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
     if not sum_k:  # the caller's add_rms_norm sums the k parts (minakv/ops/norm.py)
-        return y.view(num_tokens, k, hidden)
-    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+        return y.view(num_tokens, k * splits, hidden)
+    return y.view(num_tokens, k * splits, hidden).sum(1).to(x.dtype)
+
+
+def k_per_split(size: int, block_k: int, splits: int) -> int:
+    """Inputs each of `splits` programs covers: whole K blocks (so whole MXFP4 groups), as even as can be."""
+    return triton.cdiv(triton.cdiv(size, block_k), splits) * block_k
 
 
 @triton.jit
@@ -175,11 +196,11 @@ def _my_expert(ids_ptr, num_pairs, BY_PAIR: tl.constexpr, PAIRS_PAD: tl.constexp
 @triton.jit
 def _gate_up_kernel(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr,
-    num_pairs, H, I, TOPK, limit, alpha,
+    num_pairs, H, I, TOPK, limit, alpha, K_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_PAIR: tl.constexpr,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BF16: tl.constexpr, F32_DOT: tl.constexpr,
+    BF16: tl.constexpr, F32_DOT: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     expert = _my_expert(ids_ptr, num_pairs, BY_PAIR, PAIRS_PAD)
     mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
@@ -200,25 +221,32 @@ def _gate_up_kernel(
         x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        k_lo = tl.program_id(2) * K_SPLIT
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, H), BLOCK_K):
             a0, a1 = load_act(x_rows, m_ok, k0, H, BLOCK_K, MODE, False)
             acc_gate = mxfp4_acc(a0, a1, gate_b, gate_s, n_ok, k0, H, acc_gate, BLOCK_K, BF16, F32_DOT, MODE)
             acc_up = mxfp4_acc(a0, a1, up_b, up_s, n_ok, k0, H, acc_up, BLOCK_K, BF16, F32_DOT, MODE)
-        if HAS_BIAS:
-            acc_gate += b_gate[None, :]
-            acc_up += b_up[None, :]
-        act = activate_tile(acc_gate, acc_up, limit, alpha, ACT)
-        h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + h_cols[None, :]
-        tl.store(h_rows, act.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        mask = m_ok[:, None] & n_ok[None, :]
+        if SPLITS > 1:  # fp32 partials [split, pair, gate | up] (h_ptr): _gate_up_finish does the rest
+            rows = h_ptr + (tl.program_id(2) * num_pairs + pair).to(tl.int64)[:, None] * stride_h
+            tl.store(rows + offs_n[None, :], acc_gate, mask=mask)
+            tl.store(rows + I + offs_n[None, :], acc_up, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc_gate += b_gate[None, :]
+                acc_up += b_up[None, :]
+            act = activate_tile(acc_gate, acc_up, limit, alpha, ACT)
+            h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + h_cols[None, :]
+            tl.store(h_rows, act.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _down_kernel(
     h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr,
-    num_pairs, I, H, stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
+    num_pairs, I, H, K_SPLIT, stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_PAIR: tl.constexpr, MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     expert = _my_expert(ids_ptr, num_pairs, BY_PAIR, PAIRS_PAD)
     mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
@@ -235,11 +263,40 @@ def _down_kernel(
         pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)
         h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        k_lo = tl.program_id(2) * K_SPLIT
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, I), BLOCK_K):
             a0, a1 = load_act(h_rows, m_ok, k0, I, BLOCK_K, MODE, True)
             acc = mxfp4_acc(a0, a1, w_b, w_s, n_ok, k0, I, acc, BLOCK_K, BF16, F32_DOT, MODE)
-        if HAS_BIAS:
-            acc += bias[None, :]
+        if HAS_BIAS:  # once per pair, whatever the splits: by split 0
+            acc += tl.where(tl.program_id(2) == 0, bias, 0.0)[None, :]
         acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
-        y_rows = y_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+        y_row = pair.to(tl.int64) * SPLITS + tl.program_id(2)
+        y_rows = y_ptr + y_row[:, None] * stride_y + offs_n[None, :]
         tl.store(y_rows, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gate_up_finish(
+    p_ptr, b_ptr, ids_ptr, h_ptr, num_pairs, I, limit, alpha, stride_bias, stride_h,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MODE: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Split-K's end for gate/up: sum the fp32 partials of one pair's columns in split order
+    (deterministic), add the expert's bias, apply the activation -> h, as the unsplit kernel stores it."""
+    pair = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    gate = tl.zeros((1, BLOCK), dtype=tl.float32)
+    up = tl.zeros((1, BLOCK), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        row = p_ptr + (s * num_pairs + pair).to(tl.int64) * 2 * I
+        gate += tl.load(row + offs, mask=ok, other=0.0)[None, :]
+        up += tl.load(row + I + offs, mask=ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        gate += tl.load(b_ptr + expert * stride_bias + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_ptr + expert * stride_bias + I + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    act = activate_tile(gate, up, limit, alpha, ACT)
+    cols = split_col(offs, I, MODE)
+    tl.store(
+        h_ptr + pair.to(tl.int64) * stride_h + cols[None, :], act.to(h_ptr.dtype.element_ty), mask=ok[None, :]
+    )
