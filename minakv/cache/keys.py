@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,8 +37,8 @@ if TYPE_CHECKING:  # plan.py imports this module: the type only, no import cycle
 ROOT = b"minakv-cache-v2"  # the chain's start, with the page size (a new version tag matches no old key)
 
 
-class PageKey(NamedTuple):  # planning makes one per page: a tuple of atoms, which the garbage collector stops
-    # tracking (an agent's history holds thousands; scanning them made full collections take 100s of ms)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: a frozen dataclass costs twice as much to make, and
+class PageKey:  # planning makes one per page (treat it as immutable all the same)
     key: bytes  # hash chain of the records of this page and every page before it
     dropped: bool  # every entry of the page is dropped by the end of the request (evict these first)
 
