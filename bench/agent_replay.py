@@ -40,6 +40,10 @@ read per decode token, and the largest position any round reaches (it must stay 
 131,072). Rows are printed and written to $OUT/agent_replay.json.
 
 Long variant (positions up to ~110k for plain, ~22k for kv_drop): `--agents 4 --rounds 28 --tool-tokens 4000`.
+
+Why the device idles: `--gaps` charges each idle interval of the last round to the engine phase the host
+was in (bench/gpu_gaps.py); `--sample-host` samples the engine's and the agents' threads. Without a GPU,
+`--host-only` times the host's work alone and `--simulate` adds a pretend device (`SimulatedWorker`).
 """
 
 from __future__ import annotations
