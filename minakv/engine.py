@@ -60,14 +60,8 @@ class Engine:
             model=str(model) if isinstance(model, (str, Path)) else "custom", **kwargs
         )
         config.check()
-        # What exists before the engine (imported libraries: hundreds of thousands of objects) lives as long
-        # as the process. A full garbage collection scans every tracked object, so while serving it held the
-        # engine thread for 0.1-0.4 s with the device idle (bench/gpu_gaps.py); frozen, they are not scanned.
-        # Garbage is collected first, so only live objects are frozen; what the engine builds is not.
-        gc.collect()
-        if not gc.get_freeze_count():  # at exit, let the interpreter's last collection see them again
-            atexit.register(gc.unfreeze)
-        gc.freeze()
+        if not gc.get_freeze_count():
+            freeze_imports()
         on_allocate = None
         if config.worker_processes:  # the model and its KV live in worker processes (one per rank)
             if not isinstance(model, (str, Path)):
@@ -363,6 +357,18 @@ class Engine:
                     loop.call_soon_threadsafe(queue.put_nowait, out)
                 except RuntimeError:  # that event loop is closed: its caller is gone
                     pass
+
+
+def freeze_imports() -> None:
+    """Move what exists now (imported libraries: hundreds of thousands of objects that live as long as the
+    process) out of the garbage collector's sight. A full collection scans every tracked object, so while
+    serving it held the engine thread for 0.1-0.4 s with the device idle (bench/gpu_gaps.py). Once per
+    process, at the first engine, after a collection: only live objects are frozen, and later engines'
+    objects stay collectable (a frozen cycle is never freed). At exit they are unfrozen for the
+    interpreter's last collection."""
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 def _progress(total: int):
