@@ -381,17 +381,19 @@ class SimulatedWorker(HostOnlyWorker):
     STEP_S, PREFILL_S = 3.5e-3, 30e-6
 
     def __init__(self) -> None:
-        self.free_at = 0.0
-        self.busy: list[tuple[float, float]] = []
+        self.busy: list[tuple[float, float]] = []  # (start, end) of each step, in launch order
+        self.collected = 0  # steps are collected in launch order
 
     def launch(self, batch) -> Launched:
-        start = max(time.perf_counter(), self.free_at)
-        self.free_at = start + self.STEP_S + self.PREFILL_S * (batch.num_tokens - batch.num_decode)
-        self.busy.append((start, self.free_at))
-        return Launched(self.free_at, None, batch.sample_params, len(batch.sample_rows))
+        start = max(time.perf_counter(), self.busy[-1][1] if self.busy else 0.0)
+        self.busy.append(
+            (start, start + self.STEP_S + self.PREFILL_S * (batch.num_tokens - batch.num_decode))
+        )
+        return super().launch(batch)
 
     def collect(self, launched: Launched) -> StepResult:
-        time.sleep(max(0.0, launched.packed - time.perf_counter()))
+        time.sleep(max(0.0, self.busy[self.collected][1] - time.perf_counter()))
+        self.collected += 1
         return super().collect(launched)
 
     def busy_fraction(self, start: float, end: float) -> float:

@@ -56,10 +56,9 @@ def graph_replay_ms(engine: Engine, batch: int, keys: int) -> float | None:
     """Device time of one decode step at `batch` with up to `keys` keys per row: the median replay of the
     captured graph the engine used for it (None on CPU or when none was captured)."""
     graphs = engine.worker.graphs
-    fits = [(b, k) for b, k in (graphs.graphs if graphs is not None else {}) if b >= batch and k >= keys]
-    if not fits:
+    g = graphs.find(batch, keys) if graphs is not None else None
+    if g is None:
         return None
-    g = graphs.graphs[min(fits)]
     return float(triton.testing.do_bench(g.graph.replay, warmup=10, rep=100, return_mode="median"))
 
 
@@ -67,12 +66,11 @@ def kernel_table(engine: Engine, batch: int, keys: int, replays: int = 20, top: 
     """Print the kernels of one decode step's graph at `batch`: where the step's device time goes (each
     launch costs a few microseconds even when it moves almost no bytes)."""
     graphs = engine.worker.graphs
-    fits = [(b, k) for b, k in (graphs.graphs if graphs is not None else {}) if b >= batch and k >= keys]
-    if not fits:
+    g = graphs.find(batch, keys) if graphs is not None else None
+    if g is None:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    g = graphs.graphs[min(fits)]
     g.graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

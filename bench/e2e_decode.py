@@ -175,8 +175,8 @@ def time_ours(engine: Engine, run, batch: int, args, need: float, bw: float) -> 
     ours_s = step_time(run, batch, args.n1, args.n2)
     graphs = engine.worker.graphs
     replay_ms = None
-    if graphs is not None and graphs.graphs:
-        g = max(graphs.graphs.values(), key=lambda g: (g.batch == batch, g.capacity))
+    g = graphs.find(batch, args.prompt + args.n2) if graphs is not None else None
+    if g is not None:
         replay_ms = float(triton.testing.do_bench(g.graph.replay, warmup=20, rep=200, return_mode="median"))
     return {
         "ours_ms": ours_s * 1e3, "ours_tok_s": batch / ours_s, "bound_ms": need / bw * 1e3,

@@ -60,8 +60,7 @@ class Engine:
             model=str(model) if isinstance(model, (str, Path)) else "custom", **kwargs
         )
         config.check()
-        if not gc.get_freeze_count():
-            freeze_imports()
+        freeze_imports()
         on_allocate = None
         if config.worker_processes:  # the model and its KV live in worker processes (one per rank)
             if not isinstance(model, (str, Path)):
@@ -366,6 +365,8 @@ def freeze_imports() -> None:
     process, at the first engine, after a collection: only live objects are frozen, and later engines'
     objects stay collectable (a frozen cycle is never freed). At exit they are unfrozen for the
     interpreter's last collection."""
+    if gc.get_freeze_count():
+        return
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)

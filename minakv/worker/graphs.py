@@ -74,10 +74,9 @@ class DecodeGraphs:
         """Logits [num_decode, V] of a decode-only batch, or None if no graph could be captured.
         `resolve(ids)` replaces the ids still on the device (negative) by the previous step's tokens."""
         n = batch.num_decode
-        key = (bucket_batch(n), bucket_keys(max(batch.decode_lens) + 1))
-        g = self.graphs.get(key) or self._covering(*key)
+        g = self.find(n, max(batch.decode_lens) + 1)
         if g is None:
-            g = self._capture(*key)
+            g = self._capture(bucket_batch(n), bucket_keys(max(batch.decode_lens) + 1))
             if g is None:
                 return None
         pad, width = g.batch - n, self.table.width
@@ -92,6 +91,11 @@ class DecodeGraphs:
         ids.copy_(resolve(ids))
         g.graph.replay()
         return g.logits[:n]
+
+    def find(self, n: int, keys: int) -> _Graph | None:
+        """The captured graph a decode step of n rows with up to `keys` keys each replays, if any."""
+        key = (bucket_batch(n), bucket_keys(keys))
+        return self.graphs.get(key) or self._covering(*key)
 
     def _covering(self, b: int, max_keys: int) -> _Graph | None:
         """A captured graph that can serve (b, max_keys) at little extra cost: at most twice the batch and
