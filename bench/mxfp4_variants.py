@@ -7,6 +7,7 @@ the clamped SwiGLU, bf16 activations, at T = 1, 8, 64, 256, 1024, 4096 tokens it
                           registers: the default until "scaled"); "fused default": its defaults
     fused <mode> ...      tile modes of mxfp4_tile.MODES ("scaled": tl.dot_scaled on the packed bytes) with
                           the per-pair grid (slots=auto) and a few block shapes    (T <= 64, and T = 256)
+    gemv bn.. g.. w..     mxfp4_gemv: a GEMV per pair on the CUDA cores (T <= 16)
     fused ... split-K k   K split over k programs per output block (partial sums, then a finishing pass)
     grouped baseline      moe_mxfp4_grouped in mode "split"; "grouped default": its defaults   (T >= 256)
     grouped scaled        tl.dot_scaled tiles at a few block shapes ("interleave", "swap" and "fma",
@@ -41,6 +42,7 @@ from common import copy_bandwidth, rel_err
 
 from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, moe_loop
+from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_moe import moe_mxfp4_fused
 
@@ -62,6 +64,11 @@ FUSED = [("fused baseline", {"mode": "split"}), ("fused default", {})] + [
     for mode, n in (("split", 32), ("scaled", 64))
     for k in (2, 4)
 ]  # fmt: skip
+GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX_T
+    (f"gemv bn{n} g{g} w{w}", {"block_n": n, "groups": g, "num_warps": w})
+    for n, g, w in ((16, 8, 4), (32, 8, 4), (16, 16, 4), (32, 16, 4), (64, 8, 8), (8, 8, 2), (16, 4, 2))
+]
+GEMV_MAX_T = 16
 GROUPED = [
     ("grouped baseline", {"mode": "split"}),
     ("grouped scaled", {"mode": "scaled"}),
@@ -95,6 +102,8 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
         fused = FUSED if tokens <= DECODE_MAX_T else FUSED[:4]
         out += [(name, lambda kw=kw: moe_mxfp4_fused(*args, **kw), True) for name, kw in fused]
         out.append(("bf16 fused", lambda: moe_fused(*bf16_args), False))
+    if tokens <= GEMV_MAX_T:
+        out += [(name, lambda kw=kw: moe_mxfp4_gemv(*args, **kw), True) for name, kw in GEMV]
     if tokens >= 256:
         out += [(name, lambda kw=kw: moe_mxfp4_grouped(*args, **kw), True) for name, kw in GROUPED]
     out.append(("bf16 grouped", lambda: moe_grouped(*bf16_args), False))

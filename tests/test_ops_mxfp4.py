@@ -14,6 +14,7 @@ from helpers.triton import interpreted
 from minakv.ops import mxfp4_moe
 from minakv.ops.moe import route_softmax_topk
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
+from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_moe import moe_mxfp4, moe_mxfp4_fused, moe_mxfp4_ref
 from minakv.ops.mxfp4_tile import load_mxfp4_halves, load_mxfp4_tile
 from minakv.ops.quant import dequantize_mxfp4, quantize_mxfp4
@@ -160,6 +161,21 @@ def test_scaled_mode_matches_reference(path: str, t: int) -> None:
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     err = float((out.double() - ref).norm() / ref.norm())
     assert err < 1e-2, err
+
+
+@interpreted
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("t, block_n, groups", [(1, 16, 2), (3, 32, 4), (5, 16, 1)])
+def test_gemv_matches_reference(activation: str, t: int, block_n: int, groups: int) -> None:
+    """The few-pairs GEMV path (its arithmetic decode; the inline PTX runs on the GPU only): H = 96 and
+    I = 160 are 3 and 5 groups, so a step of 2 or 4 groups has a masked tail, and I is not a multiple of
+    block_n; at T = 5 experts share pairs (each pair reads its expert again). The k parts (sum_k=False)
+    are the fp32 [T, k, H] that add_rms_norm sums."""
+    args, ref = case(activation, t, e=3, h=96, i=160, seed=t)
+    assert_matches(moe_mxfp4_gemv(*args, block_n=block_n, groups=groups), ref)
+    parts = moe_mxfp4_gemv(*args, block_n=block_n, groups=groups, sum_k=False)
+    assert parts.shape == (t, 2, 96) and parts.dtype == torch.float32
+    assert_matches(parts.sum(1), ref)
 
 
 @interpreted
