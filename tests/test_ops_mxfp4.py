@@ -13,8 +13,8 @@ from helpers.triton import interpreted
 
 from minakv.ops import mxfp4_moe
 from minakv.ops.moe import route_softmax_topk
-from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
+from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_moe import moe_mxfp4, moe_mxfp4_fused, moe_mxfp4_ref
 from minakv.ops.mxfp4_tile import load_mxfp4_halves, load_mxfp4_tile
 from minakv.ops.quant import dequantize_mxfp4, quantize_mxfp4

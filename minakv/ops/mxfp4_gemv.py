@@ -11,7 +11,9 @@ shaped for bytes in flight instead:
                   W rows n..n+BN   | g0 g1 ... g(G-1) | g(G) ...        acc [BN, G] fp32, per group
                   x[p] (or h[p])   | 32 32  ...  32   |                 (no reduction inside the loop)
     loop    over the input in steps of G groups: load G groups of every row, decode, multiply-add into
-            acc; one sum over G at the end -> BN outputs
+            acc; one sum over G at the end -> BN outputs. Each step first loads the next step's bytes,
+            so two tiles are in flight per thread while one is decoded (the latency, not the
+            bandwidth, bounds a GEMV that waits for each load)
 
 Two kernels, as in the tensor-core path: gate/up (both halves' rows, bias, the activation) -> h [P, I] in
 x's dtype, then down (h @ W^T, bias, x the pair's routing weight) -> y [P, H] in fp32, summed over each
@@ -38,17 +40,32 @@ from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
 from minakv.ops.mxfp4_tile import e2m1_f16, packed_shapes
 from minakv.ops.triton_util import interpreting
 
-# 4 bytes in ($4); out: the low nibbles of bytes (0, 1), (2, 3) as fp16 pairs ($0, $1), the high ones ($2, $3)
-_DECODE_PTX = tl.constexpr(
+# one 32-bit word of packed bytes ($1: 8 codes, the code of input m in bits 4m..4m+3) and its 8 inputs ($2..$9,
+# fp32) -> sum of code value * 2^-14 * input ($0). prmt spreads bytes (0, 1) and (2, 3) over the halves of a
+# register; a shift and two masks per nibble position then make two fp16 at once: inputs (0, 2), (4, 6),
+# (1, 3), (5, 7)
+_DOT8_PTX = tl.constexpr(
     """
 {
-.reg .b32 t01, t23, a, b;
-prmt.b32 t01, $4, 0, 0x4140;
-prmt.b32 t23, $4, 0, 0x4342;
-shl.b32 a, t01, 9;   and.b32 a, a, 0x0E000E00;  shl.b32 b, t01, 12;  and.b32 b, b, 0x80008000;  or.b32 $0, a, b;
-shl.b32 a, t23, 9;   and.b32 a, a, 0x0E000E00;  shl.b32 b, t23, 12;  and.b32 b, b, 0x80008000;  or.b32 $1, a, b;
-shl.b32 a, t01, 5;   and.b32 a, a, 0x0E000E00;  shl.b32 b, t01, 8;   and.b32 b, b, 0x80008000;  or.b32 $2, a, b;
-shl.b32 a, t23, 5;   and.b32 a, a, 0x0E000E00;  shl.b32 b, t23, 8;   and.b32 b, b, 0x80008000;  or.b32 $3, a, b;
+.reg .b32 t01, t23, a, b, r0, r1, r2, r3;
+.reg .b16 h0, h1, h2, h3, h4, h5, h6, h7;
+.reg .f32 f0, f1, f2, f3, f4, f5, f6, f7, s;
+prmt.b32 t01, $1, 0, 0x4140;
+prmt.b32 t23, $1, 0, 0x4342;
+shl.b32 a, t01, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t01, 12; and.b32 b, b, 0x80008000; or.b32 r0, a, b;
+shl.b32 a, t23, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t23, 12; and.b32 b, b, 0x80008000; or.b32 r1, a, b;
+shl.b32 a, t01, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, t01, 8;  and.b32 b, b, 0x80008000; or.b32 r2, a, b;
+shl.b32 a, t23, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, t23, 8;  and.b32 b, b, 0x80008000; or.b32 r3, a, b;
+mov.b32 {h0, h2}, r0;
+mov.b32 {h4, h6}, r1;
+mov.b32 {h1, h3}, r2;
+mov.b32 {h5, h7}, r3;
+cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.f32.f16 f2, h2; cvt.f32.f16 f3, h3;
+cvt.f32.f16 f4, h4; cvt.f32.f16 f5, h5; cvt.f32.f16 f6, h6; cvt.f32.f16 f7, h7;
+mul.f32 s, f0, $2;
+fma.rn.f32 s, f1, $3, s; fma.rn.f32 s, f2, $4, s; fma.rn.f32 s, f3, $5, s; fma.rn.f32 s, f4, $6, s;
+fma.rn.f32 s, f5, $7, s; fma.rn.f32 s, f6, $8, s; fma.rn.f32 s, f7, $9, s;
+mov.b32 $0, s;
 }
 """
 )
@@ -60,13 +77,14 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype (sum_k=False: the k
     parts [T, k, H] in fp32), the experts packed (moe_mxfp4's arguments). block_n rows and `groups` groups
     of 32 inputs per program and step are for benchmarks and tests (powers of two)."""
-    num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
+    _, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     dummy = ids  # any pointer, for absent biases
     gub, gus, db, ds = (w[key] for key in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"))
+    gub, db = gub.view(torch.int32), db.view(torch.int32)  # a group's 16 bytes as 4 words [E, out, in/32, 4]
     meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": not interpreting(), "num_warps": num_warps}
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_gemv[(num_pairs, triton.cdiv(inter, block_n))](
@@ -88,15 +106,23 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
 
 
 @triton.jit
-def _decode(packed, ASM: tl.constexpr):
-    """Packed bytes [..., 16] -> (even, odd) inputs as fp16 equal to the FP4 values times 2^-14."""
+def _dot8(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """Per packed word: the sum over its 8 inputs of FP4 value * 2^-14 * input (fp32)."""
     if ASM:
-        even, odd = tl.inline_asm_elementwise(
-            _DECODE_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
-        )
-    else:
-        even, odd = e2m1_f16(packed & 0xF), e2m1_f16(packed >> 4)
-    return even, odd
+        out = tl.inline_asm_elementwise(
+            _DOT8_PTX, "=r,r,r,r,r,r,r,r,r,r", [words, x0, x1, x2, x3, x4, x5, x6, x7], dtype=tl.float32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:  # the same arithmetic per code (mxfp4_tile.e2m1_f16)
+        out = e2m1_f16(words & 0xF).to(tl.float32) * x0
+        out += e2m1_f16((words >> 4) & 0xF).to(tl.float32) * x1
+        out += e2m1_f16((words >> 8) & 0xF).to(tl.float32) * x2
+        out += e2m1_f16((words >> 12) & 0xF).to(tl.float32) * x3
+        out += e2m1_f16((words >> 16) & 0xF).to(tl.float32) * x4
+        out += e2m1_f16((words >> 20) & 0xF).to(tl.float32) * x5
+        out += e2m1_f16((words >> 24) & 0xF).to(tl.float32) * x6
+        out += e2m1_f16((words >> 28) & 0xF).to(tl.float32) * x7
+    return out
 
 
 @triton.jit
@@ -113,21 +139,34 @@ def _rows(
 
 
 @triton.jit
-def _step(a_row, byte_rows, scale_rows, n_ok, g0, num_groups, acc, GROUPS: tl.constexpr, ASM: tl.constexpr):
-    """acc [BN, G] + per-group partial dot products of inputs [g0 * 32, (g0 + G) * 32) of a_row (one row of
-    activations) with the rows' weights, in fp32."""
+def _load(word_rows, scale_rows, n_ok, g0, num_groups, GROUPS: tl.constexpr):
+    """The rows' packed words [BN, G, 4] (a group's 16 bytes: one vector load) and group scales [BN, G]
+    (fp32 2^(s - 127) * 2^14) for inputs [g0 * 32, (g0 + G) * 32); 0 past the end."""
     offs_g = g0 + tl.arange(0, GROUPS)
-    g_ok = offs_g < num_groups
-    ok = n_ok[:, None] & g_ok[None, :]
-    ptrs = byte_rows[:, :, None] + offs_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    packed = tl.load(ptrs, mask=ok[:, :, None], other=0)  # [BN, G, 16]: one 16-byte vector per group
-    s = tl.load(scale_rows + offs_g[None, :], mask=ok, other=0).to(tl.uint32) + 14  # 2^(s - 127) * 2^14
-    scale = (s << 23).to(tl.float32, bitcast=True)
-    a = tl.load(a_row + offs_g[:, None] * 32 + tl.arange(0, 32)[None, :], mask=g_ok[:, None], other=0.0)
-    a_even, a_odd = tl.split(tl.reshape(a.to(tl.float32), (GROUPS, 16, 2)))
-    even, odd = _decode(packed, ASM)
-    part = tl.sum(even.to(tl.float32) * a_even[None, :, :] + odd.to(tl.float32) * a_odd[None, :, :], 2)
-    return acc + part * scale
+    ok = n_ok[:, None] & (offs_g < num_groups)[None, :]
+    ptrs = word_rows[:, :, None] + offs_g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+    words = tl.load(ptrs, mask=ok[:, :, None], other=0)
+    s = tl.load(scale_rows + offs_g[None, :], mask=ok, other=0).to(tl.uint32) + 14
+    return words, (s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _acc(a_row, words, scale, g0, num_groups, acc, GROUPS: tl.constexpr, ASM: tl.constexpr):
+    """acc [BN, G] + the per-group partial dot products of the loaded tile with inputs [g0 * 32,
+    (g0 + G) * 32) of a_row (one row of activations), in fp32."""
+    offs_g = g0 + tl.arange(0, GROUPS)
+    offs = offs_g[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    a = tl.load(a_row + offs, mask=(offs_g < num_groups)[:, None, None], other=0.0).to(tl.float32)
+    # input m of each word (a's last dim, m = 4 m2 + 2 m1 + m0), each [G, 4]
+    a0, a1 = tl.split(tl.reshape(a, (GROUPS, 4, 2, 2, 2)))  # m0 = 0 / 1: [G, 4, 2 (m2), 2 (m1)]
+    a00, a01 = tl.split(a0)  # m1 = 0 / 1: [G, 4, 2 (m2)]
+    a10, a11 = tl.split(a1)
+    x0, x4 = tl.split(a00)
+    x2, x6 = tl.split(a01)
+    x1, x5 = tl.split(a10)
+    x3, x7 = tl.split(a11)
+    part = _dot8(words, x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None], ASM)
+    return acc + tl.sum(part, 2) * scale
 
 
 @triton.jit
@@ -144,9 +183,15 @@ def _gate_up_gemv(
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     acc_gate = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    # the next step's bytes are loaded before this step's are used: two tiles in flight per thread
+    gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, 0, H // 32, GROUPS)
+    up_next, up_sc_next = _load(up_b, up_s, n_ok, 0, H // 32, GROUPS)
     for g0 in range(0, H // 32, GROUPS):
-        acc_gate = _step(x_row, gate_b, gate_s, n_ok, g0, H // 32, acc_gate, GROUPS, ASM)
-        acc_up = _step(x_row, up_b, up_s, n_ok, g0, H // 32, acc_up, GROUPS, ASM)
+        gate, gate_sc, up, up_sc = gate_next, gate_sc_next, up_next, up_sc_next
+        gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g0 + GROUPS, H // 32, GROUPS)
+        up_next, up_sc_next = _load(up_b, up_s, n_ok, g0 + GROUPS, H // 32, GROUPS)
+        acc_gate = _acc(x_row, gate, gate_sc, g0, H // 32, acc_gate, GROUPS, ASM)
+        acc_up = _acc(x_row, up, up_sc, g0, H // 32, acc_up, GROUPS, ASM)
     gate = tl.sum(acc_gate, 1)[None, :]
     up = tl.sum(acc_up, 1)[None, :]
     if HAS_BIAS:
@@ -171,8 +216,11 @@ def _down_gemv(
     )
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    tile_next, scale_next = _load(w_b, w_s, n_ok, 0, I // 32, GROUPS)
     for g0 in range(0, I // 32, GROUPS):
-        acc = _step(h_row, w_b, w_s, n_ok, g0, I // 32, acc, GROUPS, ASM)
+        tile, scale = tile_next, scale_next
+        tile_next, scale_next = _load(w_b, w_s, n_ok, g0 + GROUPS, I // 32, GROUPS)
+        acc = _acc(h_row, tile, scale, g0, I // 32, acc, GROUPS, ASM)
     out = tl.sum(acc, 1)
     if HAS_BIAS:
         out += tl.load(b_ptr + expert.to(tl.int64) * stride_bias + offs_n, mask=n_ok, other=0.0).to(
