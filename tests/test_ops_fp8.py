@@ -11,6 +11,7 @@ from helpers.models import moe_reference
 from helpers.triton import interpreted
 
 from minakv.ops import fp8_moe
+from minakv.ops.fp8_gemv import linear_fp8_gemv, moe_fp8_gemv
 from minakv.ops.fp8_grouped import moe_fp8_grouped
 from minakv.ops.fp8_linear import linear_fp8, linear_fp8_ref, linear_fp8_triton
 from minakv.ops.fp8_moe import moe_fp8, moe_fp8_fused, moe_fp8_ref
@@ -58,6 +59,18 @@ def test_linear_matches_reference(shape: tuple[int, int], t: int) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("shape", [(256, 384), (200, 320)])  # whole blocks; ragged scale blocks both ways
+@pytest.mark.parametrize("t", [1, 3])
+def test_linear_gemv_matches_reference(shape: tuple[int, int], t: int) -> None:
+    """The few-rows GEMV: its chosen strip, and strips of 16 and 64 rows with 2 and 8 vectors a step (200 rows
+    end inside a strip and inside a scale block; 320 inputs end inside a step)."""
+    args, ref = linear_case(t, *shape, seed=t, bias=shape[0] == 256)
+    assert_matches(linear_fp8_gemv(*args), ref)
+    for block_n, groups in ((16, 2), (64, 8)):
+        assert_matches(linear_fp8_gemv(*args, block_n=block_n, groups=groups), ref)
+
+
+@interpreted
 def test_linear_plan_defaults() -> None:
     """The planned tiles and split (interpreter: 4 'SMs'), at a decode and a prefill row count."""
     for t in (2, 80):
@@ -79,15 +92,22 @@ def test_linear_tile_dequant_is_exact() -> None:
 
 @interpreted
 def test_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU tensors take the reference; with Triton on CPU, the kernel; leading dims are kept."""
-    from minakv.ops import triton_util
+    """CPU tensors take the reference; with Triton on CPU, up to GEMV_MAX_ROWS rows the GEMV, more the
+    tensor-core kernel; leading dims are kept."""
+    from minakv.ops import fp8_linear, triton_util
 
     (x, weight, scale, b), ref = linear_case(6, 256, 384, seed=1)
     x3, ref3 = x.view(2, 3, 384), ref.view(2, 3, 256)
     assert_matches(linear_fp8(x3, weight, scale, b), ref3)
     assert_matches(linear_fp8_ref(x3, weight, scale, b), ref3)
+    taken = []
+    for name in ("linear_fp8_gemv", "linear_fp8_triton"):
+        fn = getattr(fp8_linear, name)
+        monkeypatch.setattr(fp8_linear, name, lambda *a, fn=fn, name=name: taken.append(name) or fn(*a))
     monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
     assert_matches(linear_fp8(x3, weight, scale, b), ref3)
+    assert_matches(linear_fp8(x3[:1, :2], weight, scale, b), ref3[:1, :2])
+    assert taken == ["linear_fp8_triton", "linear_fp8_gemv"]
 
 
 def test_linear_shapes_are_checked() -> None:
@@ -147,22 +167,37 @@ def test_moe_swiglu_with_biases(path: str) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("activation, biases", [("silu", False), ("swiglu_oai", True)])
+@pytest.mark.parametrize("t", [1, 5])
+def test_moe_gemv_matches_reference(activation: str, biases: bool, t: int) -> None:
+    """The few-pairs GEMV: a program per (pair, strip), at its chosen strips and at 16 rows x 4 vectors (H =
+    320 and I = 160 end inside a scale block; at T = 5 experts share pairs); the k parts sum to the output."""
+    args, ref = moe_case(activation, t, seed=t, biases=biases)
+    assert_matches(moe_fp8_gemv(*args), ref)
+    parts = moe_fp8_gemv(*args, block_n=16, groups=4, sum_k=False)
+    assert parts.shape == (t, 2, 320) and parts.dtype == torch.float32
+    assert_matches(parts.sum(1), ref)
+
+
+@interpreted
 def test_moe_fp8_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU tensors take the dequantize-per-expert reference; with Triton on CPU, few pairs the fused
-    kernels and many pairs (here: more than 4) the grouped GEMM; all three agree."""
+    """CPU tensors take the dequantize-per-expert reference; with Triton on CPU, pairs no more than the
+    experts the GEMV, a few more the fused kernels and many (here: more than 4) the grouped GEMM; all agree."""
     from minakv.ops import triton_util
 
     args, ref = moe_case("silu", 3, h=256, i=128, seed=3)
+    one, ref_one = moe_case("silu", 1, h=256, i=128, seed=4)  # 2 pairs, 4 experts
     assert_matches(moe_fp8(*args), ref)
     taken = []
-    for name in ("moe_fp8_fused", "moe_fp8_grouped"):
+    for name in ("moe_fp8_gemv", "moe_fp8_fused", "moe_fp8_grouped"):
         fn = getattr(fp8_moe, name)
         monkeypatch.setattr(fp8_moe, name, lambda *a, fn=fn, name=name: taken.append(name) or fn(*a))
     monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
+    assert_matches(moe_fp8(*one), ref_one)
     assert_matches(moe_fp8(*args), ref)
     monkeypatch.setattr(fp8_moe, "FUSED_MAX_PAIRS", 4)
     assert_matches(moe_fp8(*args), ref)
-    assert taken == ["moe_fp8_fused", "moe_fp8_grouped"]
+    assert taken == ["moe_fp8_gemv", "moe_fp8_fused", "moe_fp8_grouped"]
 
 
 def test_moe_ref_and_quantize_round_trip() -> None:

@@ -246,23 +246,25 @@ def check_halves_exact(device: str, bf16: bool) -> None:
 
 @interpreted
 def test_moe_mxfp4_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU tensors take the dequantize-and-loop reference; with Triton on CPU, few pairs the fused kernels
-    and many pairs (here: more than 4) the grouped GEMM; all three agree."""
+    """CPU tensors take the dequantize-and-loop reference; with Triton on CPU, pairs no more than the experts
+    the GEMV, a few more the fused kernels and many (here: more than 4) the grouped GEMM; all agree."""
     from minakv.ops import triton_util
 
     args, ref = case("silu", 3, seed=3)
+    one, ref_one = case("silu", 1, seed=4)  # 2 pairs, 4 experts
     assert_matches(moe_mxfp4(*args), ref)
     taken = []
-    for name in ("moe_mxfp4_fused", "moe_mxfp4_grouped"):
+    for name in ("moe_mxfp4_gemv", "moe_mxfp4_fused", "moe_mxfp4_grouped"):
         fn = getattr(mxfp4_moe, name)
         monkeypatch.setattr(
             mxfp4_moe, name, lambda *a, fn=fn, name=name, **kw: taken.append(name) or fn(*a, **kw)
         )
     monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
+    assert_matches(moe_mxfp4(*one), ref_one)
     assert_matches(moe_mxfp4(*args), ref)
     monkeypatch.setattr(mxfp4_moe, "FUSED_MAX_PAIRS", 4)
     assert_matches(moe_mxfp4(*args), ref)
-    assert taken == ["moe_mxfp4_fused", "moe_mxfp4_grouped"]
+    assert taken == ["moe_mxfp4_gemv", "moe_mxfp4_fused", "moe_mxfp4_grouped"]
 
 
 def test_shapes_are_checked() -> None:

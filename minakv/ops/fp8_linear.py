@@ -21,6 +21,7 @@ One kernel, a grid of (row blocks, column blocks, K splits):
 - Prefill (T larger): 64- or 128-row tiles of 128 columns, a split only while the tiles are too few and the
   partials stay small next to the weight.
 
+Up to GEMV_MAX_ROWS rows `linear_fp8` takes fp8_gemv.py's GEMV instead (CUDA cores, more bytes in flight).
 `linear_fp8` picks the kernel for CUDA tensors and `linear_fp8_ref` (dequantize, then F.linear) otherwise.
 """
 
@@ -31,11 +32,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from minakv.ops.fp8_gemv import linear_fp8_gemv
 from minakv.ops.fp8_tile import BLOCK, check_fp8_weight, f32_dot, fp8_rows, scaled_dot
 from minakv.ops.quant import dequantize_fp8_block
 from minakv.ops.triton_util import check, num_sms, use_triton
 
 DECODE_MAX_ROWS = 64  # up to this many rows: decode tiles (one row block, K split to fill the GPU)
+GEMV_MAX_ROWS = 4  # up to this many: a GEMV per row on the CUDA cores (fp8_gemv.py; the weight is re-read per
+# row, from L2 while the rows' programs run side by side)
 
 
 def linear_fp8(
@@ -46,6 +50,8 @@ def linear_fp8(
 ) -> torch.Tensor:
     """x @ W^T (+ bias) -> [..., out] in x's dtype: the Triton kernel for CUDA tensors, else the reference."""
     if use_triton(x):
+        if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+            return linear_fp8_gemv(x, weight, scale_inv, bias)
         return linear_fp8_triton(x, weight, scale_inv, bias)
     return linear_fp8_ref(x, weight, scale_inv, bias)
 

@@ -9,9 +9,10 @@ in bf16.
          "down":    fp8 [E, H, I],   "down_scale_inv":    f32 [E, ceil(H/128), ceil(I/128)]}
 
 (gate rows then up rows, a scale grid for each half). `moe_fp8` computes the same function as `moe_loop`
-(minakv/ops/moe.py) on `dequantize_experts` of the same weights, and picks one of three paths:
+(minakv/ops/moe.py) on `dequantize_experts` of the same weights, and picks one of four paths:
 
   CPU tensors           `moe_fp8_ref`: each chosen expert dequantized to x's dtype, one matmul per expert.
+  pairs <= experts      `moe_fp8_gemv` (minakv/ops/fp8_gemv.py): a GEMV per pair on the CUDA cores.
   few pairs (decode)    `moe_fp8_fused`, below: the two kernels of fused_moe.py with an FP8 weight tile.
                         Each program owns (expert, block of output columns), finds its expert's pairs by
                         scanning the id list (no sort), and reads its FP8 tile and scales once:
@@ -34,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minakv.ops.fp8_gemv import moe_fp8_gemv
 from minakv.ops.fp8_grouped import moe_fp8_grouped
 from minakv.ops.fp8_tile import (
     BLOCK,
@@ -66,6 +68,8 @@ def moe_fp8(
     args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if not use_triton(x):
         return moe_fp8_ref(*args)
+    if topk_ids.numel() <= w["gate_up"].shape[0]:  # few pairs next to the experts: each read about once
+        return moe_fp8_gemv(*args)
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
         return moe_fp8_fused(*args)
     return moe_fp8_grouped(*args)

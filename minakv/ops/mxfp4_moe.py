@@ -6,8 +6,10 @@ is 1,440 bytes plus 90 scale bytes, against 5,760 in bf16: 3.8x fewer bytes per 
 (61 GB packed, 234 GB in bf16) fits on one GPU.
 
 `moe_mxfp4` computes the same function as `moe_loop` (minakv/ops/moe.py) on `dequantize_mxfp4` of the
-same weights, and picks one of two paths:
+same weights, and picks one of three paths:
 
+  pairs <= experts      `moe_mxfp4_gemv` (minakv/ops/mxfp4_gemv.py): a GEMV per pair on the CUDA cores; at
+                        one token 2x faster than the fused kernels below on the H200 (RESULTS.md).
   few pairs (decode)    `moe_mxfp4_fused`, below: the two kernels of fused_moe.py with a packed weight
                         tile. Each program owns (expert, block of output columns), finds its expert's
                         pairs by scanning the id list (no sort), and reads its packed tile once:
@@ -33,6 +35,7 @@ import triton.language as tl
 
 from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_tile import (
     MODES,
@@ -70,6 +73,8 @@ def moe_mxfp4(
     args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if not use_triton(x):
         return moe_mxfp4_ref(*args)
+    if topk_ids.numel() <= w["gate_up_blocks"].shape[0]:  # few pairs next to the experts: each read ~once
+        return moe_mxfp4_gemv(*args, sum_k=sum_k)
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
         return moe_mxfp4_fused(*args, sum_k=sum_k)
     return moe_mxfp4_grouped(*args)

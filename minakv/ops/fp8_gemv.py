@@ -1,0 +1,193 @@
+"""FP8 (W8A16, 128x128 block scales) for a few tokens: GEMVs on the CUDA cores, the weights streamed as bytes.
+
+The tensor-core kernels of fp8_linear.py and fp8_moe.py pad a decode row to a 16-row tile and wait on each
+weight tile before asking for the next; at one token they reach a quarter of the copy bandwidth (MiniMax-M2's
+q_proj: 23%, its MoE: 23%). Here a program owns a strip of BN output rows and one activation row, each
+thread whole 16-byte vectors (16 weights, one scale):
+
+    W rows n..n+BN  | v0 v1 ... v(G-1) | vG ...       acc [BN, G] fp32, a partial sum per vector slot
+    x row (bf16)    | 16 16  ...  16   |              (no reduction inside the loop, one at the end)
+
+and loads the next step's vectors before it uses this step's, so two are in flight per thread. A step of
+16 G inputs lies inside one 128-input scale block when 16 G <= 128, so a vector's scale is the row's
+s[n // 128, k // 128] (a [BN, G] gather that the cache serves). BN is chosen so that the grid has a few
+programs per SM even for k_proj's 1,024 rows (`strip`): small N, narrow strips, long steps.
+
+Two entry points, both exact in fp32 up to summation order (e4m3 values are exact in fp32):
+  linear_fp8_gemv   y = x @ W^T (+ b) for T rows of x: a program per (row, strip)
+  moe_fp8_gemv      the MoE of fp8_moe.py for T * k (token, slot) pairs: a program per (pair, strip), gate/up
+                    (bias, activation) -> h, then down (bias, x the routing weight) -> the k parts
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minakv.ops.fp8_tile import check_fp8_weight, expert_shapes
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+from minakv.ops.triton_util import check, num_sms
+
+THREADS = 128  # 4 warps; a thread holds one 16-byte vector of a step
+
+
+def strip(programs_per_row_block: int, out: int, sms: int) -> tuple[int, int]:
+    """(BN, G): the narrowest power-of-two strip that still gives ~4 programs per SM, at most 32 rows, and the
+    vectors per row per step that give each thread one (G <= 8: a step within one 128-input scale block)."""
+    block_n = 32
+    while block_n > 1 and programs_per_row_block * triton.cdiv(out, block_n) < 4 * sms:
+        block_n //= 2
+    return block_n, max(1, min(8, THREADS // block_n))
+
+
+def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = None,
+                    groups: int | None = None) -> torch.Tensor:  # fmt: skip
+    """x [..., in] @ W^T (+ bias) -> [..., out] in x's dtype (linear_fp8's arguments), for few rows of x."""
+    check_fp8_weight(weight, scale_inv)
+    out_features, in_features = weight.shape
+    check(
+        x.shape[-1] == in_features and in_features % 16 == 0, f"x is {tuple(x.shape)}, weight {weight.shape}"
+    )
+    lead = x.shape[:-1]
+    x = x.reshape(-1, in_features).contiguous()
+    rows = x.shape[0]
+    auto_n, auto_g = strip(rows, out_features, num_sms(x.device))
+    block_n, groups = block_n or auto_n, groups or auto_g
+    scale_inv = scale_inv.contiguous()
+    y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    _linear_gemv[(rows, triton.cdiv(out_features, block_n))](
+        x, weight, scale_inv, bias if bias is not None else scale_inv, y, out_features, in_features,
+        x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, GROUPS=groups, num_warps=4,
+    )  # fmt: skip
+    return y.view(*lead, out_features)
+
+
+def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
+                 limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int | None = None,
+                 groups: int | None = None) -> torch.Tensor:  # fmt: skip
+    """moe_fp8's function for few pairs -> [T, H] in x's dtype (sum_k=False: the k parts [T, k, H] fp32)."""
+    _, hidden, inter = expert_shapes(x, w, topk_ids, activation)
+    check(hidden % 16 == 0 and inter % 16 == 0, f"hidden {hidden} and intermediate {inter}: multiples of 16")
+    num_tokens, k = topk_ids.shape
+    num_pairs = num_tokens * k
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    gu, db = w["gate_up"], w["down"]
+    gus, ds = w["gate_up_scale_inv"].contiguous(), w["down_scale_inv"].contiguous()
+    dummy = ids
+    sms = num_sms(x.device)
+    n1, g1 = strip(num_pairs, inter, sms)
+    n2, g2 = strip(num_pairs, hidden, sms)
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_gemv[(num_pairs, triton.cdiv(inter, block_n or n1))](
+        x, gu, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h,
+        hidden, inter, gus.shape[1] // 2, k, float(limit), float(alpha), x.stride(0), gu.stride(0), gu.stride(1),
+        gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
+        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], BLOCK_N=block_n or n1,
+        GROUPS=groups or g1, num_warps=4,
+    )  # fmt: skip
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _down_gemv[(num_pairs, triton.cdiv(hidden, block_n or n2))](
+        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
+        h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
+        down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
+        BLOCK_N=block_n or n2, GROUPS=groups or g2, num_warps=4,
+    )  # fmt: skip
+    if not sum_k:
+        return y.view(num_tokens, k, hidden)
+    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+
+
+@triton.jit
+def _load(w_rows, s_rows, n_ok, v0, K, GROUPS: tl.constexpr):
+    """Vectors v0 .. v0 + G - 1 (inputs 16 v ..) of the rows -> (fp8 [BN, G, 16], their scales [BN, G]);
+    0 past K. w_rows: [BN, 1] row pointers; s_rows: [BN] pointers to the rows' scale rows."""
+    offs_v = v0 + tl.arange(0, GROUPS)
+    ok = n_ok[:, None] & (offs_v < K // 16)[None, :]
+    tile = tl.load(w_rows[:, :, None] + offs_v[None, :, None] * 16 + tl.arange(0, 16)[None, None, :],
+                   mask=ok[:, :, None], other=0.0)  # fmt: skip
+    scale = tl.load(s_rows[:, None] + (offs_v // 8)[None, :], mask=ok, other=0.0)
+    return tile, scale
+
+
+@triton.jit
+def _acc(a_row, tile, scale, v0, K, acc, GROUPS: tl.constexpr):
+    """acc [BN, G] + each vector's dot product with its 16 inputs of a_row, scaled, in fp32."""
+    offs_v = v0 + tl.arange(0, GROUPS)
+    a = tl.load(a_row + offs_v[:, None] * 16 + tl.arange(0, 16)[None, :], mask=(offs_v < K // 16)[:, None])
+    return acc + tl.sum(tile.to(tl.float32) * a.to(tl.float32)[None, :, :], 2) * scale
+
+
+@triton.jit
+def _gemv(a_row, w_rows, s_rows, n_ok, K, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """[BN] fp32: the rows' dot products with a_row over K inputs, the next step's vectors loaded before
+    this step's are used."""
+    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    tile_next, scale_next = _load(w_rows, s_rows, n_ok, 0, K, GROUPS)
+    for v0 in range(0, K // 16, GROUPS):
+        tile, scale = tile_next, scale_next
+        tile_next, scale_next = _load(w_rows, s_rows, n_ok, v0 + GROUPS, K, GROUPS)
+        acc = _acc(a_row, tile, scale, v0, K, acc, GROUPS)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _strip(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
+    """This program's output rows (program_id(1)): offsets, which are < N, weight row and scale row pointers."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    return offs_n, offs_n < N, w_rows, s_ptr + (offs_n // 128) * stride_sn
+
+
+@triton.jit
+def _linear_gemv(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_x, stride_wn, stride_sn, stride_y,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs_n, n_ok, w_rows, s_rows = _strip(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
+    out = _gemv(x_ptr + row * stride_x, w_rows, s_rows, n_ok, K, BLOCK_N, GROUPS)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gate_up_gemv(
+    x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, H, I, UP_SCALE_ROW, TOPK, limit, alpha,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_h,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+    offs_n, n_ok, gate_rows, gate_s = _strip(w_e, s_e, I, stride_wn, stride_sn, BLOCK_N)
+    # up rows I + n, with their own scale grid from row UP_SCALE_ROW (fp8_tile's layout)
+    up_rows, up_s = gate_rows + I * stride_wn, gate_s + UP_SCALE_ROW * stride_sn
+    x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
+    gate = _gemv(x_row, gate_rows, gate_s, n_ok, H, BLOCK_N, GROUPS)[None, :]
+    up = _gemv(x_row, up_rows, up_s, n_ok, H, BLOCK_N, GROUPS)[None, :]
+    if HAS_BIAS:
+        gate += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_ptr + expert * stride_bias + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    act = activate_tile(gate, up, limit, alpha, ACT)
+    h_row = h_ptr + pair.to(tl.int64) * stride_h
+    tl.store(h_row + offs_n[None, :], act.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _down_gemv(
+    h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_y,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n, n_ok, w_rows, s_rows = _strip(w_ptr + expert * stride_we, s_ptr + expert * stride_se, H, stride_wn,
+                                          stride_sn, BLOCK_N)  # fmt: skip
+    out = _gemv(h_ptr + pair.to(tl.int64) * stride_h, w_rows, s_rows, n_ok, I, BLOCK_N, GROUPS)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    out *= tl.load(weights_ptr + pair)
+    tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, out, mask=n_ok)
