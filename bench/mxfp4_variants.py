@@ -66,7 +66,10 @@ FUSED = [("fused baseline", {"mode": "split"}), ("fused default", {})] + [
 ]  # fmt: skip
 GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX_T
     (f"gemv bn{n} g{g} w{w}", {"block_n": n, "groups": g, "num_warps": w})
-    for n, g, w in ((16, 8, 4), (32, 8, 4), (16, 16, 4), (32, 16, 4), (64, 8, 8), (8, 8, 2), (16, 4, 2))
+    for n, g, w in ((16, 8, 4), (32, 8, 4), (16, 16, 4), (8, 8, 2), (16, 4, 2))
+] + [
+    (f"gemv bn{n} g{g} w{w} split-K {k}", {"block_n": n, "groups": g, "num_warps": w, "splits": k})
+    for n, g, w, k in ((16, 8, 4, 2), (16, 8, 4, 3), (8, 8, 2, 2), (16, 4, 2, 3), (32, 8, 4, 3))
 ]
 GEMV_MAX_T = 16
 GROUPED = [

@@ -240,11 +240,12 @@ def _mxfp4_modes() -> tuple[str, ...]:
 
 @case("mxfp4_gemv")
 def _mxfp4_gemv() -> None:
-    """The few-pairs GEMV path with its inline-PTX decode, at the defaults and a wider step."""
+    """The few-pairs GEMV path with its inline-PTX decode: the defaults, a wider step, split-K."""
     from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 
     moe_mxfp4_gemv(*_mxfp4_layer(1))
     moe_mxfp4_gemv(*_mxfp4_layer(2), block_n=32, groups=16, sum_k=False)
+    moe_mxfp4_gemv(*_mxfp4_layer(1), splits=3, sum_k=False)
 
 
 @case("mxfp4_fused-split_k")

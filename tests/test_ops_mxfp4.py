@@ -125,7 +125,7 @@ VARIANTS = [  # (path, knobs) beyond the defaults: each tile mode, and the fused
     ("fused", {"mode": "fma", "block_m": 1}),
     ("fused", {"mode": "split", "slots": "pairs"}),
     ("fused", {"mode": "interleave", "slots": "pairs"}),
-    ("fused", {"mode": "split", "splits": 2}),  # split-K: partials summed by _gate_up_finish / here
+    ("fused", {"mode": "split", "splits": 2}),  # split-K: partials summed by gate_up_finish / here
     ("fused", {"mode": "split", "slots": "pairs", "splits": 3}),  # H has 2 K blocks: one split is empty
     ("grouped", {"mode": "interleave", "block_m": 16}),
     ("grouped", {"mode": "split", "block_m": 16}),
@@ -165,16 +165,20 @@ def test_scaled_mode_matches_reference(path: str, t: int) -> None:
 
 @interpreted
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
-@pytest.mark.parametrize("t, block_n, groups", [(1, 16, 2), (3, 32, 4), (5, 16, 1)])
-def test_gemv_matches_reference(activation: str, t: int, block_n: int, groups: int) -> None:
+@pytest.mark.parametrize(
+    "t, block_n, groups, splits", [(1, 16, 2, 1), (3, 32, 4, 1), (5, 16, 1, 3), (1, 16, 2, 2)]
+)
+def test_gemv_matches_reference(activation: str, t: int, block_n: int, groups: int, splits: int) -> None:
     """The few-pairs GEMV path (its arithmetic decode; the inline PTX runs on the GPU only): H = 96 and
     I = 160 are 3 and 5 groups, so a step of 2 or 4 groups has a masked tail, and I is not a multiple of
     block_n; at T = 5 experts share pairs (each pair reads its expert again). The k parts (sum_k=False)
-    are the fp32 [T, k, H] that add_rms_norm sums."""
+    are the fp32 [T, k, H] that add_rms_norm sums (with split-K, [T, k * splits, H]: bias counted once).
+    Split-K 3 over 3 groups (H) and 5 (I) leaves programs with one group or none."""
     args, ref = case(activation, t, e=3, h=96, i=160, seed=t)
-    assert_matches(moe_mxfp4_gemv(*args, block_n=block_n, groups=groups), ref)
-    parts = moe_mxfp4_gemv(*args, block_n=block_n, groups=groups, sum_k=False)
-    assert parts.shape == (t, 2, 96) and parts.dtype == torch.float32
+    knobs = {"block_n": block_n, "groups": groups, "splits": splits}
+    assert_matches(moe_mxfp4_gemv(*args, **knobs), ref)
+    parts = moe_mxfp4_gemv(*args, **knobs, sum_k=False)
+    assert parts.shape == (t, 2 * splits, 96) and parts.dtype == torch.float32
     assert_matches(parts.sum(1), ref)
 
 

@@ -8,9 +8,9 @@ thread whole 16-byte vectors (16 weights, one scale):
     W rows n..n+BN  | v0 v1 ... v(G-1) | vG ...       acc [BN, G] fp32, a partial sum per vector slot
     x row (bf16)    | 16 16  ...  16   |              (no reduction inside the loop, one at the end)
 
-and loads the next step's vectors before it uses this step's, so two are in flight per thread. A step of
-16 G inputs lies inside one 128-input scale block when 16 G <= 128, so a vector's scale is the row's
-s[n // 128, k // 128] (a [BN, G] gather that the cache serves). BN is chosen so that the grid has a few
+and loads the next step's vectors (and inputs) before it uses this step's, so two are in flight per thread.
+A vector's 16 inputs lie in one 128-input scale block, so its scale is the row's s[n // 128, k // 128] (a
+[BN, G] gather that the cache serves). BN is chosen so that the grid has a few
 programs per SM even for k_proj's 1,024 rows (`strip`): small N, narrow strips, long steps.
 
 Two entry points, both exact in fp32 up to summation order (e4m3 values are exact in fp32):
@@ -33,12 +33,12 @@ THREADS = 128  # 4 warps; a thread holds one 16-byte vector of a step
 
 
 def strip(programs_per_row_block: int, out: int, sms: int) -> tuple[int, int]:
-    """(BN, G): the narrowest power-of-two strip that still gives ~4 programs per SM, at most 32 rows, and the
-    vectors per row per step that give each thread one (G <= 8: a step within one 128-input scale block)."""
+    """(BN, G): the widest power-of-two strip, at most 32 rows, that still gives ~4 programs per SM, and the
+    vectors per row per step that give each thread one."""
     block_n = 32
     while block_n > 1 and programs_per_row_block * triton.cdiv(out, block_n) < 4 * sms:
         block_n //= 2
-    return block_n, max(1, min(8, THREADS // block_n))
+    return block_n, THREADS // block_n
 
 
 def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = None,
@@ -114,23 +114,20 @@ def _load(w_rows, s_rows, n_ok, v0, K, GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _acc(a_row, tile, scale, v0, K, acc, GROUPS: tl.constexpr):
-    """acc [BN, G] + each vector's dot product with its 16 inputs of a_row, scaled, in fp32."""
-    offs_v = v0 + tl.arange(0, GROUPS)
-    a = tl.load(a_row + offs_v[:, None] * 16 + tl.arange(0, 16)[None, :], mask=(offs_v < K // 16)[:, None])
-    return acc + tl.sum(tile.to(tl.float32) * a.to(tl.float32)[None, :, :], 2) * scale
-
-
-@triton.jit
 def _gemv(a_row, w_rows, s_rows, n_ok, K, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    """[BN] fp32: the rows' dot products with a_row over K inputs, the next step's vectors loaded before
-    this step's are used."""
+    """[BN] fp32: the rows' dot products with a_row over K inputs, the next step's weights and inputs loaded
+    before this step's are used."""
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     tile_next, scale_next = _load(w_rows, s_rows, n_ok, 0, K, GROUPS)
+    a_next = tl.load(a_row + tl.arange(0, GROUPS)[:, None] * 16 + tl.arange(0, 16)[None, :],
+                     mask=(tl.arange(0, GROUPS) < K // 16)[:, None], other=0.0)  # fmt: skip
     for v0 in range(0, K // 16, GROUPS):
-        tile, scale = tile_next, scale_next
+        tile, scale, a = tile_next, scale_next, a_next
         tile_next, scale_next = _load(w_rows, s_rows, n_ok, v0 + GROUPS, K, GROUPS)
-        acc = _acc(a_row, tile, scale, v0, K, acc, GROUPS)
+        offs_v = v0 + GROUPS + tl.arange(0, GROUPS)
+        a_next = tl.load(a_row + offs_v[:, None] * 16 + tl.arange(0, 16)[None, :],
+                         mask=(offs_v < K // 16)[:, None], other=0.0)  # fmt: skip
+        acc += tl.sum(tile.to(tl.float32) * a.to(tl.float32)[None, :, :], 2) * scale
     return tl.sum(acc, 1)
 
 

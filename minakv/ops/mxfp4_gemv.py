@@ -73,10 +73,12 @@ mov.b32 $0, s;
 
 def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                    limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int = 16, groups: int = 8,
-                   num_warps: int = 4) -> torch.Tensor:  # fmt: skip
+                   num_warps: int = 4, splits: int = 1) -> torch.Tensor:  # fmt: skip
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype (sum_k=False: the k
     parts [T, k, H] in fp32), the experts packed (moe_mxfp4's arguments). block_n rows and `groups` groups
-    of 32 inputs per program and step are for benchmarks and tests (powers of two)."""
+    of 32 inputs per program and step are for benchmarks and tests (powers of two). splits: programs along
+    the input per strip (split-K: shorter chains of dependent steps); gate/up then store fp32 partials that
+    `gate_up_finish` sums (bias, activation), down returns its parts as extra slots [T, k * splits, H]."""
     _, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
@@ -85,24 +87,44 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     dummy = ids  # any pointer, for absent biases
     gub, gus, db, ds = (w[key] for key in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"))
     gub, db = gub.view(torch.int32), db.view(torch.int32)  # a group's 16 bytes as 4 words [E, out, in/32, 4]
-    meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": not interpreting(), "num_warps": num_warps}
+    meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": not interpreting(), "SPLITS": splits,
+            "num_warps": num_warps}  # fmt: skip
+    gate_up_bias_arg = gate_up_bias if gate_up_bias is not None else dummy
+    gate_up_bias_stride = gate_up_bias.stride(0) if gate_up_bias is not None else 0
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _gate_up_gemv[(num_pairs, triton.cdiv(inter, block_n))](
-        x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h,
-        hidden, inter, k, float(limit), float(alpha), x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0),
-        gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
-        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], **meta,
+    # with split-K gate/up write fp32 partials [splits, pairs, gate I | up I] instead of h
+    partial = (
+        torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device) if splits > 1 else h
+    )
+    _gate_up_gemv[(num_pairs, triton.cdiv(inter, block_n), splits)](
+        x, gub, gus, gate_up_bias_arg, ids, partial, hidden, inter, k, float(limit), float(alpha),
+        groups_per_split(hidden, groups, splits), x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0),
+        gus.stride(1), gate_up_bias_stride, partial.stride(-2), HAS_BIAS=gate_up_bias is not None,
+        ACT=ACTIVATIONS[activation], **meta,
     )  # fmt: skip
-    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    if splits > 1:
+        gate_up_finish[(num_pairs, triton.cdiv(inter, 256))](
+            partial, gate_up_bias_arg, ids, h, num_pairs, inter, float(limit), float(alpha), gate_up_bias_stride,
+            h.stride(0), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], SPLIT_COLS=False,
+            SPLITS=splits, BLOCK=256,
+        )  # fmt: skip
+    # down: row pair * splits + s holds split s's part, so the parts of a token stay together
+    y = torch.empty(num_pairs * splits, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _down_gemv[(num_pairs, triton.cdiv(hidden, block_n))](
-        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y,
-        inter, hidden, h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
-        down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None, **meta,
+    _down_gemv[(num_pairs, triton.cdiv(hidden, block_n), splits)](
+        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
+        groups_per_split(inter, groups, splits), h.stride(0), db.stride(0), db.stride(1), ds.stride(0),
+        ds.stride(1), down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
+        HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
     if not sum_k:  # the caller's add_rms_norm sums the k parts (minakv/ops/norm.py)
-        return y.view(num_tokens, k, hidden)
-    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+        return y.view(num_tokens, k * splits, hidden)
+    return y.view(num_tokens, k * splits, hidden).sum(1).to(x.dtype)
+
+
+def groups_per_split(size: int, groups: int, splits: int) -> int:
+    """Groups of 32 inputs each of `splits` programs covers: whole steps of `groups`, as even as can be."""
+    return triton.cdiv(triton.cdiv(size // 32, groups), splits) * groups
 
 
 @triton.jit
@@ -151,14 +173,20 @@ def _load(word_rows, scale_rows, n_ok, g0, num_groups, GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _acc(a_row, words, scale, g0, num_groups, acc, GROUPS: tl.constexpr, ASM: tl.constexpr):
-    """acc [BN, G] + the per-group partial dot products of the loaded tile with inputs [g0 * 32,
-    (g0 + G) * 32) of a_row (one row of activations), in fp32."""
+def _load_act(a_row, g0, num_groups, GROUPS: tl.constexpr):
+    """Inputs [g0 * 32, (g0 + G) * 32) of a_row (one row of activations) as [G, 4 words, 8]; 0 past the end."""
     offs_g = g0 + tl.arange(0, GROUPS)
     offs = offs_g[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    a = tl.load(a_row + offs, mask=(offs_g < num_groups)[:, None, None], other=0.0).to(tl.float32)
+    return tl.load(a_row + offs, mask=(offs_g < num_groups)[:, None, None], other=0.0)
+
+
+@triton.jit
+def _acc(a, words, scale, acc, GROUPS: tl.constexpr, ASM: tl.constexpr):
+    """acc [BN, G] + the per-group partial dot products of a loaded step (`_load`, `_load_act`), in fp32."""
     # input m of each word (a's last dim, m = 4 m2 + 2 m1 + m0), each [G, 4]
-    a0, a1 = tl.split(tl.reshape(a, (GROUPS, 4, 2, 2, 2)))  # m0 = 0 / 1: [G, 4, 2 (m2), 2 (m1)]
+    a0, a1 = tl.split(
+        tl.reshape(a.to(tl.float32), (GROUPS, 4, 2, 2, 2))
+    )  # m0 = 0 / 1: [G, 4, 2 (m2), 2 (m1)]
     a00, a01 = tl.split(a0)  # m1 = 0 / 1: [G, 4, 2 (m2)]
     a10, a11 = tl.split(a1)
     x0, x4 = tl.split(a00)
@@ -171,9 +199,10 @@ def _acc(a_row, words, scale, g0, num_groups, acc, GROUPS: tl.constexpr, ASM: tl
 
 @triton.jit
 def _gate_up_gemv(
-    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha,
+    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
@@ -183,17 +212,26 @@ def _gate_up_gemv(
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     acc_gate = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    # the next step's bytes are loaded before this step's are used: two tiles in flight per thread
-    gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, 0, H // 32, GROUPS)
-    up_next, up_sc_next = _load(up_b, up_s, n_ok, 0, H // 32, GROUPS)
-    for g0 in range(0, H // 32, GROUPS):
-        gate, gate_sc, up, up_sc = gate_next, gate_sc_next, up_next, up_sc_next
-        gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g0 + GROUPS, H // 32, GROUPS)
-        up_next, up_sc_next = _load(up_b, up_s, n_ok, g0 + GROUPS, H // 32, GROUPS)
-        acc_gate = _acc(x_row, gate, gate_sc, g0, H // 32, acc_gate, GROUPS, ASM)
-        acc_up = _acc(x_row, up, up_sc, g0, H // 32, acc_up, GROUPS, ASM)
+    g_lo = tl.program_id(2) * G_SPLIT
+    g_hi = tl.minimum(g_lo + G_SPLIT, H // 32)
+    # the next step's weights and inputs are loaded before this step's are used: two steps in flight
+    gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g_lo, g_hi, GROUPS)
+    up_next, up_sc_next = _load(up_b, up_s, n_ok, g_lo, g_hi, GROUPS)
+    x_next = _load_act(x_row, g_lo, g_hi, GROUPS)
+    for g0 in range(g_lo, g_hi, GROUPS):
+        gate, gate_sc, up, up_sc, x = gate_next, gate_sc_next, up_next, up_sc_next, x_next
+        gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g0 + GROUPS, g_hi, GROUPS)
+        up_next, up_sc_next = _load(up_b, up_s, n_ok, g0 + GROUPS, g_hi, GROUPS)
+        x_next = _load_act(x_row, g0 + GROUPS, g_hi, GROUPS)
+        acc_gate = _acc(x, gate, gate_sc, acc_gate, GROUPS, ASM)
+        acc_up = _acc(x, up, up_sc, acc_up, GROUPS, ASM)
     gate = tl.sum(acc_gate, 1)[None, :]
     up = tl.sum(acc_up, 1)[None, :]
+    if SPLITS > 1:  # fp32 partials [split, pair, gate | up] (h_ptr): gate_up_finish does the rest
+        row = h_ptr + (tl.program_id(2) * tl.num_programs(0) + pair).to(tl.int64) * stride_h
+        tl.store(row + offs_n[None, :], gate, mask=n_ok[None, :])
+        tl.store(row + I + offs_n[None, :], up, mask=n_ok[None, :])
+        return
     if HAS_BIAS:
         bias_row = b_ptr + expert.to(tl.int64) * stride_bias
         gate += tl.load(bias_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -205,9 +243,10 @@ def _gate_up_gemv(
 
 @triton.jit
 def _down_gemv(
-    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H,
+    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
@@ -216,15 +255,51 @@ def _down_gemv(
     )
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    tile_next, scale_next = _load(w_b, w_s, n_ok, 0, I // 32, GROUPS)
-    for g0 in range(0, I // 32, GROUPS):
-        tile, scale = tile_next, scale_next
-        tile_next, scale_next = _load(w_b, w_s, n_ok, g0 + GROUPS, I // 32, GROUPS)
-        acc = _acc(h_row, tile, scale, g0, I // 32, acc, GROUPS, ASM)
+    g_lo = tl.program_id(2) * G_SPLIT
+    g_hi = tl.minimum(g_lo + G_SPLIT, I // 32)
+    tile_next, scale_next = _load(w_b, w_s, n_ok, g_lo, g_hi, GROUPS)
+    h_next = _load_act(h_row, g_lo, g_hi, GROUPS)
+    for g0 in range(g_lo, g_hi, GROUPS):
+        tile, scale, h = tile_next, scale_next, h_next
+        tile_next, scale_next = _load(w_b, w_s, n_ok, g0 + GROUPS, g_hi, GROUPS)
+        h_next = _load_act(h_row, g0 + GROUPS, g_hi, GROUPS)
+        acc = _acc(h, tile, scale, acc, GROUPS, ASM)
     out = tl.sum(acc, 1)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + expert.to(tl.int64) * stride_bias + offs_n, mask=n_ok, other=0.0).to(
-            tl.float32
-        )
+    if HAS_BIAS:  # once per pair, whatever the splits: by split 0
+        bias = tl.load(b_ptr + expert.to(tl.int64) * stride_bias + offs_n, mask=n_ok, other=0.0)
+        out += tl.where(tl.program_id(2) == 0, bias.to(tl.float32), 0.0)
     out *= tl.load(weights_ptr + pair)
-    tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, out, mask=n_ok)
+    y_row = y_ptr + (pair * SPLITS + tl.program_id(2)).to(tl.int64) * stride_y
+    tl.store(y_row + offs_n, out, mask=n_ok)
+
+
+@triton.jit
+def gate_up_finish(
+    p_ptr, b_ptr, ids_ptr, h_ptr, num_pairs, I, limit, alpha, stride_bias, stride_h,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SPLIT_COLS: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Split-K's end for gate/up (this module's and mxfp4_moe's): sum the fp32 partials [splits, pairs,
+    gate I | up I] of one pair's columns in split order (deterministic), add the expert's bias, apply the
+    activation -> h, column n at n, or with SPLIT_COLS stored [even columns | odd columns]."""
+    pair = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    gate = tl.zeros((1, BLOCK), dtype=tl.float32)
+    up = tl.zeros((1, BLOCK), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        row = p_ptr + (s * num_pairs + pair).to(tl.int64) * 2 * I
+        gate += tl.load(row + offs, mask=ok, other=0.0)[None, :]
+        up += tl.load(row + I + offs, mask=ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        gate += tl.load(b_ptr + expert * stride_bias + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_ptr + expert * stride_bias + I + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    act = activate_tile(gate, up, limit, alpha, ACT)
+    if SPLIT_COLS:
+        cols = (offs % 2) * (I // 2) + offs // 2
+    else:
+        cols = offs
+    tl.store(
+        h_ptr + pair.to(tl.int64) * stride_h + cols[None, :], act.to(h_ptr.dtype.element_ty), mask=ok[None, :]
+    )

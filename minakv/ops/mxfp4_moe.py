@@ -35,7 +35,7 @@ import triton.language as tl
 
 from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
-from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
+from minakv.ops.mxfp4_gemv import gate_up_finish, moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_tile import (
     MODES,
@@ -108,7 +108,7 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     (the default), the fewer: on the H200 at one token 0.093 ms against 0.130 for 120b's 128 experts, 0.092
     against 0.105 for 20b's 32. splits: programs per output block along K (split-K: more programs, and
     more bytes in flight, when few pairs leave the GPU's SMs short of work; docs/kernels.md). Each writes
-    fp32 partial sums: gate/up's are summed by a small kernel that applies bias and activation, down's
+    fp32 partial sums: gate/up's are summed by a small kernel (mxfp4_gemv.gate_up_finish) that applies bias and activation, down's
     are returned as extra parts (sum_k=False: [T, k * splits, H]) or summed here. Not measured yet."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
@@ -161,10 +161,10 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
         partial.stride(-2), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], **meta,
     )  # fmt: skip
     if splits > 1:
-        _gate_up_finish[(num_pairs, triton.cdiv(inter, 256))](
+        gate_up_finish[(num_pairs, triton.cdiv(inter, 256))](
             partial, gate_up_bias_arg, ids, h, num_pairs, inter, float(limit), float(alpha), gate_up_bias_stride,
-            h.stride(0), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], MODE=MODES[mode],
-            SPLITS=splits, BLOCK=256,
+            h.stride(0), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation],
+            SPLIT_COLS=MODES[mode] in (1, 2, 3), SPLITS=splits, BLOCK=256,
         )  # fmt: skip
     # down: row pair * splits + s holds split s's part, so the parts of a token stay together
     y = torch.empty(num_pairs * splits, hidden, dtype=torch.float32, device=x.device)
@@ -232,7 +232,7 @@ def _gate_up_kernel(
             acc_gate = mxfp4_acc(a0, a1, gate_b, gate_s, n_ok, k0, H, acc_gate, BLOCK_K, BF16, F32_DOT, MODE)
             acc_up = mxfp4_acc(a0, a1, up_b, up_s, n_ok, k0, H, acc_up, BLOCK_K, BF16, F32_DOT, MODE)
         mask = m_ok[:, None] & n_ok[None, :]
-        if SPLITS > 1:  # fp32 partials [split, pair, gate | up] (h_ptr): _gate_up_finish does the rest
+        if SPLITS > 1:  # fp32 partials [split, pair, gate | up] (h_ptr): gate_up_finish does the rest
             rows = h_ptr + (tl.program_id(2) * num_pairs + pair).to(tl.int64)[:, None] * stride_h
             tl.store(rows + offs_n[None, :], acc_gate, mask=mask)
             tl.store(rows + I + offs_n[None, :], acc_up, mask=mask)
@@ -278,30 +278,3 @@ def _down_kernel(
         y_row = pair.to(tl.int64) * SPLITS + tl.program_id(2)
         y_rows = y_ptr + y_row[:, None] * stride_y + offs_n[None, :]
         tl.store(y_rows, acc, mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _gate_up_finish(
-    p_ptr, b_ptr, ids_ptr, h_ptr, num_pairs, I, limit, alpha, stride_bias, stride_h,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, MODE: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """Split-K's end for gate/up: sum the fp32 partials of one pair's columns in split order
-    (deterministic), add the expert's bias, apply the activation -> h, as the unsplit kernel stores it."""
-    pair = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < I
-    gate = tl.zeros((1, BLOCK), dtype=tl.float32)
-    up = tl.zeros((1, BLOCK), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        row = p_ptr + (s * num_pairs + pair).to(tl.int64) * 2 * I
-        gate += tl.load(row + offs, mask=ok, other=0.0)[None, :]
-        up += tl.load(row + I + offs, mask=ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        gate += tl.load(b_ptr + expert * stride_bias + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
-        up += tl.load(b_ptr + expert * stride_bias + I + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
-    act = activate_tile(gate, up, limit, alpha, ACT)
-    cols = split_col(offs, I, MODE)
-    tl.store(
-        h_ptr + pair.to(tl.int64) * stride_h + cols[None, :], act.to(h_ptr.dtype.element_ty), mask=ok[None, :]
-    )
