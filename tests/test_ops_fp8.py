@@ -106,7 +106,7 @@ def test_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(fp8_linear, name, lambda *a, fn=fn, name=name: taken.append(name) or fn(*a))
     monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
     assert_matches(linear_fp8(x3, weight, scale, b), ref3)
-    assert_matches(linear_fp8(x3[:1, :2], weight, scale, b), ref3[:1, :2])
+    assert_matches(linear_fp8(x3[:1, :1], weight, scale, b), ref3[:1, :1])
     assert taken == ["linear_fp8_triton", "linear_fp8_gemv"]
 
 
