@@ -68,7 +68,16 @@ FUSED = [("fused baseline", {"mode": "split"}), ("fused default", {})] + [
 ]  # fmt: skip
 GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX_T
     (f"gemv bn{n} g{g} w{w}", {"block_n": n, "groups": g, "num_warps": w})
-    for n, g, w in ((16, 8, 4), (16, 16, 4), (8, 8, 2), (16, 4, 2), (4, 32, 4), (2, 64, 4))
+    for n, g, w in (
+        (16, 8, 4),
+        (8, 8, 2),
+        (16, 4, 2),
+        (4, 32, 4),
+        (2, 64, 4),
+        (4, 8, 1),
+        (2, 16, 1),
+        (1, 32, 1),
+    )
 ] + [
     (f"gemv bn{n} g{g} w{w} split-K {k}", {"block_n": n, "groups": g, "num_warps": w, "splits": k})
     for n, g, w, k in ((16, 4, 2, 3), (4, 32, 4, 2))
@@ -88,7 +97,7 @@ GROUPED = [
 ]
 
 
-STREAM = [(8, 8, 2), (16, 8, 4), (16, 16, 4), (4, 32, 4), (2, 64, 4), (16, 32, 8)]  # (BN, G, warps)
+STREAM = [(8, 8, 2), (16, 8, 4), (4, 32, 4), (2, 64, 4), (4, 8, 1), (1, 32, 1), (16, 32, 8)]  # (BN, G, warps)
 
 
 @triton.jit

@@ -1,33 +1,31 @@
 """MXFP4 MoE for a few tokens: one GEMV per (token, slot) pair on the CUDA cores, weights streamed packed.
 
 At a batch of one a decode step's MoE reads 4 experts' packed weights (~50 MB at gpt-oss's shapes) and
-multiplies each weight once. The tensor-core kernels of mxfp4_moe.py pad that one row to a 16-row tile and,
-with their dequantized tiles in registers, keep 2-3 programs per SM: ~8 KB in flight per SM, so the
-memory latency, not its bandwidth, sets the pace (12% of copy bandwidth on the H200). Here the work is
-shaped for bytes in flight instead:
+multiplies each weight once. The tensor-core kernels of mxfp4_moe.py pad that one row to a 16-row tile and
+read at ~12% of copy bandwidth on the H200; this path reads at twice that (bench/RESULTS.md, "GEMVs for few
+pairs"; what bounds it is not settled, docs/kernels.md):
 
-    program (pair p, rows n .. n + BN of its expert's weight W [out, in])
-    thread  whole 16-byte groups: 32 weights, one vector load, one scale byte
+    program (pair p, rows n .. n + BN of its expert's weight W [out, in], split s of the input)
+    thread  whole 16-byte groups: 32 weights, one vector load (4 words), one scale byte
                   W rows n..n+BN   | g0 g1 ... g(G-1) | g(G) ...        acc [BN, G] fp32, per group
                   x[p] (or h[p])   | 32 32  ...  32   |                 (no reduction inside the loop)
-    loop    over the input in steps of G groups: load G groups of every row, decode, multiply-add into
-            acc; one sum over G at the end -> BN outputs. Each step first loads the next step's bytes,
-            so two tiles are in flight per thread while one is decoded (the latency, not the
-            bandwidth, bounds a GEMV that waits for each load)
+    loop    over the split's inputs in steps of G groups: decode and multiply-add into acc, after loading
+            the next step's words and inputs; one sum over G at the end -> BN outputs
 
 Two kernels, as in the tensor-core path: gate/up (both halves' rows, bias, the activation) -> h [P, I] in
 x's dtype, then down (h @ W^T, bias, x the pair's routing weight) -> y [P, H] in fp32, summed over each
-token's k slots by the caller (or by add_rms_norm). A pair's expert is read once per pair, so an expert
-chosen by several pairs is read several times: `moe_mxfp4` takes this path only while the pairs are few
-next to the experts (see FEW_PAIRS there).
+token's k slots by the caller (or by add_rms_norm). With split-K, gate/up store fp32 partials that
+`gate_up_finish` sums, and down's splits come back as extra parts. A pair's expert is read once per pair,
+so an expert chosen by several pairs is read several times: `moe_mxfp4` takes this path only while the
+pairs are no more than the experts.
 
 Decoding. A byte holds two E2M1 codes, the low nibble the even input. The code's bits e1 e0 m0 put right
 under fp16's exponent, and its sign on fp16's, make an fp16 equal to the FP4 value times 2^-14 (the 0.5
 code lands on an fp16 subnormal, exact); the 2^14 goes into the group's scale, 2^(s - 127 + 14). On the GPU
-this runs as inline PTX on 4 bytes at a time: two `prmt` spread bytes 0,1 and 2,3 over the two halves of a
-register, then a shift and a mask per nibble position turn each register into two fp16 (about 1.75
-instructions per weight, against 6 for the same arithmetic per element). The interpreter, which has no
-inline assembly, runs the same arithmetic per element (mxfp4_tile.e2m1_f16).
+one inline-PTX block per 32-bit word does it for the word's 8 codes and their 8 multiply-adds in fp32: two
+`prmt` spread bytes (0, 1) and (2, 3) over the halves of a register, then a shift and two masks per nibble
+position make two fp16 at once. The interpreter, which has no inline assembly, runs the same arithmetic
+per code (mxfp4_tile.e2m1_f16).
 """
 
 from __future__ import annotations
@@ -98,7 +96,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     )
     _gate_up_gemv[(num_pairs, triton.cdiv(inter, block_n), splits)](
         x, gub, gus, gate_up_bias_arg, ids, partial, hidden, inter, k, float(limit), float(alpha),
-        groups_per_split(hidden, groups, splits), x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0),
+        k_per_split(hidden, 32 * groups, splits) // 32, x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0),
         gus.stride(1), gate_up_bias_stride, partial.stride(-2), HAS_BIAS=gate_up_bias is not None,
         ACT=ACTIVATIONS[activation], **meta,
     )  # fmt: skip
@@ -113,7 +111,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_gemv[(num_pairs, triton.cdiv(hidden, block_n), splits)](
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
-        groups_per_split(inter, groups, splits), h.stride(0), db.stride(0), db.stride(1), ds.stride(0),
+        k_per_split(inter, 32 * groups, splits) // 32, h.stride(0), db.stride(0), db.stride(1), ds.stride(0),
         ds.stride(1), down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
@@ -122,9 +120,10 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     return y.view(num_tokens, k * splits, hidden).sum(1).to(x.dtype)
 
 
-def groups_per_split(size: int, groups: int, splits: int) -> int:
-    """Groups of 32 inputs each of `splits` programs covers: whole steps of `groups`, as even as can be."""
-    return triton.cdiv(triton.cdiv(size // 32, groups), splits) * groups
+def k_per_split(size: int, block_k: int, splits: int) -> int:
+    """Inputs each of `splits` programs covers (here and in mxfp4_moe.py): whole steps of block_k inputs (so
+    whole MXFP4 groups), as even as can be."""
+    return triton.cdiv(triton.cdiv(size, block_k), splits) * block_k
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
-from minakv.ops.mxfp4_gemv import gate_up_finish, moe_mxfp4_gemv
+from minakv.ops.mxfp4_gemv import gate_up_finish, k_per_split, moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_tile import (
     MODES,
@@ -178,11 +178,6 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     if not sum_k:  # the caller's add_rms_norm sums the k parts (minakv/ops/norm.py)
         return y.view(num_tokens, k * splits, hidden)
     return y.view(num_tokens, k * splits, hidden).sum(1).to(x.dtype)
-
-
-def k_per_split(size: int, block_k: int, splits: int) -> int:
-    """Inputs each of `splits` programs covers: whole K blocks (so whole MXFP4 groups), as even as can be."""
-    return triton.cdiv(triton.cdiv(size, block_k), splits) * block_k
 
 
 @triton.jit
