@@ -250,8 +250,10 @@ def test_linear_real_shapes_gpu(tokens: int) -> None:
         ours = rel_err(linear_fp8(x, weight, scale), ref)
         bf16 = rel_err(torch.nn.functional.linear(x, w32.to(torch.bfloat16)), ref)
         fp32 = rel_err(linear_fp8(x.float(), weight, scale), ref)
-        print(f"{name} T={tokens}: fp8 {ours:.2e}, bf16 {bf16:.2e}, fp8 fp32 {fp32:.2e}")
+        gemv = rel_err(linear_fp8_gemv(x[:4], weight, scale), ref[:4])  # at tokens = 1, what linear_fp8 took
+        print(f"{name} T={tokens}: fp8 {ours:.2e}, bf16 {bf16:.2e}, fp8 fp32 {fp32:.2e}, gemv {gemv:.2e}")
         assert ours < 1e-2 and ours < 2 * bf16 + 1e-3, (name, ours, bf16)
+        assert gemv < 1e-2 and gemv < 2 * bf16 + 1e-3, (name, gemv, bf16)
         assert fp32 < 1e-5, (name, fp32)
 
 
@@ -285,6 +287,9 @@ def test_moe_real_shape_gpu(tokens: int) -> None:
     if tokens * k <= 512:  # the fused kernels' id scan is sized for decode batches
         errs["fp8 fused"] = rel_err(moe_fp8_fused(x, w, weights, ids), ref)
         errs["fp8 fused fp32"] = rel_err(moe_fp8_fused(x.float(), w, weights, ids), ref)
+    if tokens * k <= e:  # the GEMV (what moe_fp8 takes here)
+        errs["fp8 gemv"] = rel_err(moe_fp8_gemv(x, w, weights, ids), ref)
+        errs["fp8 gemv fp32"] = rel_err(moe_fp8_gemv(x.float(), w, weights, ids), ref)
     gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
     if hasattr(torch.nn.functional, "grouped_mm"):
         errs["bf16 grouped"] = rel_err(moe_grouped(x, gate_up, down, weights, ids), ref)

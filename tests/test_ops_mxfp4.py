@@ -341,6 +341,11 @@ def test_real_shape_gpu(tokens: int) -> None:
         errs["mxfp4 fused fp32"] = err(
             moe_mxfp4_fused(x.float(), w, weights, ids, gub.float(), db.float(), *act)
         )
+    if tokens * 4 <= 32:  # the GEMV (what moe_mxfp4 takes here): its inline-PTX decode runs on the GPU only
+        errs["mxfp4 gemv"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act))
+        errs["mxfp4 gemv split-K fp32"] = err(
+            moe_mxfp4_gemv(x.float(), w, weights, ids, gub.float(), db.float(), *act, splits=3)
+        )
     gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
     errs["bf16 grouped"] = err(moe_grouped(x, gate_up, down, weights, ids, gub, db, *act))
     if tokens * 4 <= 1024:
