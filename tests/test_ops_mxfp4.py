@@ -343,6 +343,7 @@ def test_real_shape_gpu(tokens: int) -> None:
         )
     if tokens * 4 <= 32:  # the GEMV (what moe_mxfp4 takes here): its inline-PTX decode runs on the GPU only
         errs["mxfp4 gemv"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act))
+        errs["mxfp4 gemv x in asm"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act, x_in_asm=True))
         errs["mxfp4 gemv split-K fp32"] = err(
             moe_mxfp4_gemv(x.float(), w, weights, ids, gub.float(), db.float(), *act, splits=3)
         )

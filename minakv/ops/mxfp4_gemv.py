@@ -38,17 +38,17 @@ from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
 from minakv.ops.mxfp4_tile import e2m1_f16, packed_shapes
 from minakv.ops.triton_util import interpreting
 
-# one 32-bit word of packed bytes ($1: 8 codes, the code of input m in bits 4m..4m+3) and its 8 inputs ($2..$9,
-# fp32) -> sum of code value * 2^-14 * input ($0). prmt spreads bytes (0, 1) and (2, 3) over the halves of a
+# One 32-bit word of packed bytes ($1: 8 codes, the code of input m in bits 4m..4m+3) and its 8 inputs -> the
+# sum of code value * 2^-14 * input ($0, fp32). prmt spreads bytes (0, 1) and (2, 3) over the halves of a
 # register; a shift and two masks per nibble position then make two fp16 at once: inputs (0, 2), (4, 6),
-# (1, 3), (5, 7)
-_DOT8_PTX = tl.constexpr(
-    """
-{
-.reg .b32 t01, t23, a, b, r0, r1, r2, r3;
+# (1, 3), (5, 7). The inputs come as 8 fp32 registers ($2..$9, _DOT8_PTX), or the block loads them itself
+# from the address of 8 consecutive bf16 ($2, _DOT8_LOAD_PTX): then no thread needs another's activations,
+# so they are never exchanged through shared memory.
+_REGS = """.reg .b32 t01, t23, a, b, r0, r1, r2, r3, q0, q1, q2, q3;
 .reg .b16 h0, h1, h2, h3, h4, h5, h6, h7;
-.reg .f32 f0, f1, f2, f3, f4, f5, f6, f7, s;
-prmt.b32 t01, $1, 0, 0x4140;
+.reg .f32 f0, f1, f2, f3, f4, f5, f6, f7, s, x0, x1, x2, x3, x4, x5, x6, x7;
+"""
+_DECODE = """prmt.b32 t01, $1, 0, 0x4140;
 prmt.b32 t23, $1, 0, 0x4342;
 shl.b32 a, t01, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t01, 12; and.b32 b, b, 0x80008000; or.b32 r0, a, b;
 shl.b32 a, t23, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t23, 12; and.b32 b, b, 0x80008000; or.b32 r1, a, b;
@@ -60,23 +60,31 @@ mov.b32 {h1, h3}, r2;
 mov.b32 {h5, h7}, r3;
 cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.f32.f16 f2, h2; cvt.f32.f16 f3, h3;
 cvt.f32.f16 f4, h4; cvt.f32.f16 f5, h5; cvt.f32.f16 f6, h6; cvt.f32.f16 f7, h7;
-mul.f32 s, f0, $2;
-fma.rn.f32 s, f1, $3, s; fma.rn.f32 s, f2, $4, s; fma.rn.f32 s, f3, $5, s; fma.rn.f32 s, f4, $6, s;
-fma.rn.f32 s, f5, $7, s; fma.rn.f32 s, f6, $8, s; fma.rn.f32 s, f7, $9, s;
-mov.b32 $0, s;
-}
 """
+_FMAS = """mul.f32 s, f0, {};
+fma.rn.f32 s, f1, {}, s; fma.rn.f32 s, f2, {}, s; fma.rn.f32 s, f3, {}, s; fma.rn.f32 s, f4, {}, s;
+fma.rn.f32 s, f5, {}, s; fma.rn.f32 s, f6, {}, s; fma.rn.f32 s, f7, {}, s;
+mov.b32 $0, s;
+"""
+_LOAD_BF16X8 = """ld.global.nc.v4.b32 {q0, q1, q2, q3}, [$2];
+shl.b32 x0, q0, 16; and.b32 x1, q0, 0xFFFF0000; shl.b32 x2, q1, 16; and.b32 x3, q1, 0xFFFF0000;
+shl.b32 x4, q2, 16; and.b32 x5, q2, 0xFFFF0000; shl.b32 x6, q3, 16; and.b32 x7, q3, 0xFFFF0000;
+"""
+_DOT8_PTX = tl.constexpr("{\n" + _REGS + _DECODE + _FMAS.format(*(f"${i}" for i in range(2, 10))) + "}")
+_DOT8_LOAD_PTX = tl.constexpr(
+    "{\n" + _REGS + _LOAD_BF16X8 + _DECODE + _FMAS.format(*(f"x{i}" for i in range(8))) + "}"
 )
 
 
 def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                    limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int = 16, groups: int = 8,
-                   num_warps: int = 4, splits: int = 1) -> torch.Tensor:  # fmt: skip
+                   num_warps: int = 4, splits: int = 1, x_in_asm: bool = False) -> torch.Tensor:  # fmt: skip
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype (sum_k=False: the k
     parts [T, k, H] in fp32), the experts packed (moe_mxfp4's arguments). block_n rows and `groups` groups
     of 32 inputs per program and step are for benchmarks and tests (powers of two). splits: programs along
     the input per strip (split-K: shorter chains of dependent steps); gate/up then store fp32 partials that
-    `gate_up_finish` sums (bias, activation), down returns its parts as extra slots [T, k * splits, H]."""
+    `gate_up_finish` sums (bias, activation), down returns its parts as extra slots [T, k * splits, H].
+    x_in_asm: the PTX block loads each word's inputs itself (bf16 activations on the GPU; not measured yet)."""
     _, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
@@ -85,8 +93,9 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     dummy = ids  # any pointer, for absent biases
     gub, gus, db, ds = (w[key] for key in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"))
     gub, db = gub.view(torch.int32), db.view(torch.int32)  # a group's 16 bytes as 4 words [E, out, in/32, 4]
-    meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": not interpreting(), "SPLITS": splits,
-            "num_warps": num_warps}  # fmt: skip
+    asm = not interpreting()
+    meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": asm, "SPLITS": splits, "num_warps": num_warps,
+            "X_IN_ASM": x_in_asm and asm and x.dtype == torch.bfloat16}  # fmt: skip
     gate_up_bias_arg = gate_up_bias if gate_up_bias is not None else dummy
     gate_up_bias_stride = gate_up_bias.stride(0) if gate_up_bias is not None else 0
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -172,27 +181,44 @@ def _load(word_rows, scale_rows, n_ok, g0, num_groups, GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _load_act(a_row, g0, num_groups, GROUPS: tl.constexpr):
-    """Inputs [g0 * 32, (g0 + G) * 32) of a_row (one row of activations) as [G, 4 words, 8]; 0 past the end."""
-    offs_g = g0 + tl.arange(0, GROUPS)
-    offs = offs_g[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    return tl.load(a_row + offs, mask=(offs_g < num_groups)[:, None, None], other=0.0)
+def _load_act(a_row, g0, num_groups, GROUPS: tl.constexpr, X_IN_ASM: tl.constexpr):
+    """Inputs [g0 * 32, (g0 + G) * 32) of a_row (one row of activations) as [G, 4 words, 8]; 0 past the end.
+    With X_IN_ASM the PTX block loads them itself: a placeholder."""
+    if X_IN_ASM:
+        a = tl.zeros((1, 1, 1), dtype=a_row.dtype.element_ty)
+    else:
+        offs_g = g0 + tl.arange(0, GROUPS)
+        offs = (
+            offs_g[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        )
+        a = tl.load(a_row + offs, mask=(offs_g < num_groups)[:, None, None], other=0.0)
+    return a
 
 
 @triton.jit
-def _acc(a, words, scale, acc, GROUPS: tl.constexpr, ASM: tl.constexpr):
+def _acc(a_row, a, g0, g_hi, words, scale, acc, GROUPS: tl.constexpr, ASM: tl.constexpr,
+         X_IN_ASM: tl.constexpr):  # fmt: skip
     """acc [BN, G] + the per-group partial dot products of a loaded step (`_load`, `_load_act`), in fp32."""
-    # input m of each word (a's last dim, m = 4 m2 + 2 m1 + m0), each [G, 4]
-    a0, a1 = tl.split(
-        tl.reshape(a.to(tl.float32), (GROUPS, 4, 2, 2, 2))
-    )  # m0 = 0 / 1: [G, 4, 2 (m2), 2 (m1)]
-    a00, a01 = tl.split(a0)  # m1 = 0 / 1: [G, 4, 2 (m2)]
-    a10, a11 = tl.split(a1)
-    x0, x4 = tl.split(a00)
-    x2, x6 = tl.split(a01)
-    x1, x5 = tl.split(a10)
-    x3, x7 = tl.split(a11)
-    part = _dot8(words, x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None], ASM)
+    if X_IN_ASM:  # each word's 8 bf16 inputs loaded by the PTX block from their address (past g_hi: any
+        # inputs in the row, times the 0 codes of the masked words)
+        offs_g = tl.minimum(g0 + tl.arange(0, GROUPS), g_hi - 1)
+        addr = a_row + offs_g[:, None] * 32 + tl.arange(0, 4)[None, :] * 8
+        addr = tl.broadcast_to(addr[None, :, :], words.shape).to(tl.int64)
+        part = tl.inline_asm_elementwise(
+            _DOT8_LOAD_PTX, "=r,r,l", [words, addr], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        # input m of each word (a's last dim, m = 4 m2 + 2 m1 + m0), each [G, 4]
+        a0, a1 = tl.split(tl.reshape(a.to(tl.float32), (GROUPS, 4, 2, 2, 2)))  # m0 = 0 / 1: [G, 4, 2, 2]
+        a00, a01 = tl.split(a0)  # m1 = 0 / 1: [G, 4, 2 (m2)]
+        a10, a11 = tl.split(a1)
+        x0, x4 = tl.split(a00)
+        x2, x6 = tl.split(a01)
+        x1, x5 = tl.split(a10)
+        x3, x7 = tl.split(a11)
+        part = _dot8(
+            words, x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None], ASM
+        )
     return acc + tl.sum(part, 2) * scale
 
 
@@ -201,7 +227,7 @@ def _gate_up_gemv(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
@@ -216,14 +242,14 @@ def _gate_up_gemv(
     # the next step's weights and inputs are loaded before this step's are used: two steps in flight
     gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g_lo, g_hi, GROUPS)
     up_next, up_sc_next = _load(up_b, up_s, n_ok, g_lo, g_hi, GROUPS)
-    x_next = _load_act(x_row, g_lo, g_hi, GROUPS)
+    x_next = _load_act(x_row, g_lo, g_hi, GROUPS, X_IN_ASM)
     for g0 in range(g_lo, g_hi, GROUPS):
         gate, gate_sc, up, up_sc, x = gate_next, gate_sc_next, up_next, up_sc_next, x_next
         gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g0 + GROUPS, g_hi, GROUPS)
         up_next, up_sc_next = _load(up_b, up_s, n_ok, g0 + GROUPS, g_hi, GROUPS)
-        x_next = _load_act(x_row, g0 + GROUPS, g_hi, GROUPS)
-        acc_gate = _acc(x, gate, gate_sc, acc_gate, GROUPS, ASM)
-        acc_up = _acc(x, up, up_sc, acc_up, GROUPS, ASM)
+        x_next = _load_act(x_row, g0 + GROUPS, g_hi, GROUPS, X_IN_ASM)
+        acc_gate = _acc(x_row, x, g0, g_hi, gate, gate_sc, acc_gate, GROUPS, ASM, X_IN_ASM)
+        acc_up = _acc(x_row, x, g0, g_hi, up, up_sc, acc_up, GROUPS, ASM, X_IN_ASM)
     gate = tl.sum(acc_gate, 1)[None, :]
     up = tl.sum(acc_up, 1)[None, :]
     if SPLITS > 1:  # fp32 partials [split, pair, gate | up] (h_ptr): gate_up_finish does the rest
@@ -245,7 +271,7 @@ def _down_gemv(
     h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
@@ -257,12 +283,12 @@ def _down_gemv(
     g_lo = tl.program_id(2) * G_SPLIT
     g_hi = tl.minimum(g_lo + G_SPLIT, I // 32)
     tile_next, scale_next = _load(w_b, w_s, n_ok, g_lo, g_hi, GROUPS)
-    h_next = _load_act(h_row, g_lo, g_hi, GROUPS)
+    h_next = _load_act(h_row, g_lo, g_hi, GROUPS, X_IN_ASM)
     for g0 in range(g_lo, g_hi, GROUPS):
         tile, scale, h = tile_next, scale_next, h_next
         tile_next, scale_next = _load(w_b, w_s, n_ok, g0 + GROUPS, g_hi, GROUPS)
-        h_next = _load_act(h_row, g0 + GROUPS, g_hi, GROUPS)
-        acc = _acc(h, tile, scale, acc, GROUPS, ASM)
+        h_next = _load_act(h_row, g0 + GROUPS, g_hi, GROUPS, X_IN_ASM)
+        acc = _acc(h_row, h, g0, g_hi, tile, scale, acc, GROUPS, ASM, X_IN_ASM)
     out = tl.sum(acc, 1)
     if HAS_BIAS:  # once per pair, whatever the splits: by split 0
         bias = tl.load(b_ptr + expert.to(tl.int64) * stride_bias + offs_n, mask=n_ok, other=0.0)
