@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from common import Log, rel_err
 
+from minakv.ops.fp8_gemv import linear_fp8_gemv, moe_fp8_gemv
 from minakv.ops.fp8_linear import GEMV_MAX_ROWS, linear_fp8, linear_fp8_triton
 from minakv.ops.fp8_moe import FUSED_MAX_PAIRS, moe_fp8, moe_fp8_fused, moe_fp8_grouped
 from minakv.ops.fp8_tile import KEYS, dequantize_experts
@@ -105,6 +106,8 @@ class Bench:
             if x.shape[0] <= GEMV_MAX_ROWS:  # linear_fp8 took the GEMV: the tensor-core kernel beside it
                 self.row(f"linear {tag} fp8 tensor cores", lambda run=run: linear_fp8_triton(**run), need,
                          headline=False)  # fmt: skip
+                self.row(f"linear {tag} fp8 gemv x-in-asm", lambda run=run: linear_fp8_gemv(**run, x_in_asm=True),
+                         need, headline=False)  # fmt: skip
             bf16 = self.row(f"linear {tag} bf16 F.linear", lambda x=x, w16=w16: F.linear(x, w16), 2 * need)
             self.log.add("verdict", name=f"linear {tag}: bf16 / fp8 time", value=bf16 / fp8, need=1.0,
                          met=bf16 >= fp8)  # fmt: skip
@@ -138,10 +141,14 @@ class Bench:
         ref = bf16_path(x, *w16, weights, ids)
         err = rel_err(moe_fp8(x, w, weights, ids), ref)
         fp8 = self.row(f"{tag} fp8 (moe_fp8)", lambda: moe_fp8(x, w, weights, ids), need, err_vs_bf16=err)
-        if ids.numel() <= s["experts"]:  # moe_fp8 took the GEMV: the fused kernels beside it
+        if (
+            ids.numel() <= s["experts"]
+        ):  # moe_fp8 took the GEMV: the fused kernels and the PTX variant beside it
             self.row(
                 f"{tag} fp8 moe_fp8_fused", lambda: moe_fp8_fused(x, w, weights, ids), need, headline=False
             )
+            self.row(f"{tag} fp8 gemv x-in-asm", lambda: moe_fp8_gemv(x, w, weights, ids, x_in_asm=True), need,
+                     headline=False)  # fmt: skip
         if fused_ok:  # the other FP8 path (the fused kernels' id scan is sized for decode batches)
             self.row(
                 f"{tag} fp8 moe_fp8_grouped",

@@ -276,6 +276,25 @@ def _linear_fp8() -> None:
         linear_fp8(torch.randn(rows, 1024).to(BF16), weight, scale_inv)
 
 
+@case("fp8_gemv-x_in_asm")
+def _fp8_gemv_x_in_asm() -> None:
+    """The FP8 GEMVs with the PTX block that loads and dots each 16-byte vector itself."""
+    from minakv.ops.fp8_gemv import linear_fp8_gemv, moe_fp8_gemv
+    from minakv.ops.fp8_tile import quantize_experts
+    from minakv.ops.quant import quantize_fp8_block
+
+    weight, scale_inv = quantize_fp8_block(torch.randn(384, 1024))
+    linear_fp8_gemv(torch.randn(1, 1024).to(BF16), weight, scale_inv, x_in_asm=True)
+    experts, hidden, inter = 32, 384, 256
+    w = {}
+    w["gate_up"], w["gate_up_scale_inv"] = quantize_experts(
+        torch.randn(experts, 2 * inter, hidden), halves=True
+    )
+    w["down"], w["down_scale_inv"] = quantize_experts(torch.randn(experts, hidden, inter))
+    weights, ids = _routing(2, experts, 8)
+    moe_fp8_gemv(torch.randn(2, hidden).to(BF16), w, weights, ids, x_in_asm=True)
+
+
 @case("moe_fp8")
 def _moe_fp8() -> None:
     """MiniMax-M2's FP8 MoE (silu, no biases; top-8): fused at decode, grouped at prefill; and with biases."""

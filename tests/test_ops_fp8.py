@@ -251,6 +251,8 @@ def test_linear_real_shapes_gpu(tokens: int) -> None:
         bf16 = rel_err(torch.nn.functional.linear(x, w32.to(torch.bfloat16)), ref)
         fp32 = rel_err(linear_fp8(x.float(), weight, scale), ref)
         gemv = rel_err(linear_fp8_gemv(x[:4], weight, scale), ref[:4])  # at tokens = 1, what linear_fp8 took
+        asm = rel_err(linear_fp8_gemv(x[:4], weight, scale, x_in_asm=True), ref[:4])
+        assert asm < 1e-2 and asm < 2 * bf16 + 1e-3, (name, asm, bf16)
         print(f"{name} T={tokens}: fp8 {ours:.2e}, bf16 {bf16:.2e}, fp8 fp32 {fp32:.2e}, gemv {gemv:.2e}")
         assert ours < 1e-2 and ours < 2 * bf16 + 1e-3, (name, ours, bf16)
         assert gemv < 1e-2 and gemv < 2 * bf16 + 1e-3, (name, gemv, bf16)
@@ -290,6 +292,7 @@ def test_moe_real_shape_gpu(tokens: int) -> None:
     if tokens * k <= e:  # the GEMV (what moe_fp8 takes here)
         errs["fp8 gemv"] = rel_err(moe_fp8_gemv(x, w, weights, ids), ref)
         errs["fp8 gemv fp32"] = rel_err(moe_fp8_gemv(x.float(), w, weights, ids), ref)
+        errs["fp8 gemv x in asm"] = rel_err(moe_fp8_gemv(x, w, weights, ids, x_in_asm=True), ref)
     gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
     if hasattr(torch.nn.functional, "grouped_mm"):
         errs["bf16 grouped"] = rel_err(moe_grouped(x, gate_up, down, weights, ids), ref)

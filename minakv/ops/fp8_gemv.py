@@ -27,9 +27,35 @@ import triton.language as tl
 
 from minakv.ops.fp8_tile import check_fp8_weight, expert_shapes
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
-from minakv.ops.triton_util import check, num_sms
+from minakv.ops.triton_util import check, interpreting, num_sms
 
 THREADS = 128  # 4 warps; a thread holds one 16-byte vector of a step
+
+# x_in_asm: one 16-byte vector of e4m3 weights ($1: its address; $3 != 0: it is real, else 0) dotted with its
+# 16 bf16 inputs ($2: their address) -> fp32 ($0). The block does its own loads, so no thread needs another's
+# activations; `cvt.rn.f16x2.e4m3x2` converts two weights at once (exact), then to fp32.
+_E4M3_PAIR = """mov.b32 {{l, h}}, {w};
+cvt.rn.f16x2.e4m3x2 c, l; mov.b32 {{e0, e1}}, c; cvt.f32.f16 f0, e0; cvt.f32.f16 f1, e1;
+cvt.rn.f16x2.e4m3x2 c, h; mov.b32 {{e0, e1}}, c; cvt.f32.f16 f2, e0; cvt.f32.f16 f3, e1;
+shl.b32 a0, {qa}, 16; and.b32 a1, {qa}, 0xFFFF0000; shl.b32 a2, {qb}, 16; and.b32 a3, {qb}, 0xFFFF0000;
+fma.rn.f32 s, f0, a0, s; fma.rn.f32 s, f1, a1, s; fma.rn.f32 s, f2, a2, s; fma.rn.f32 s, f3, a3, s;
+"""
+_DOT16_FP8_PTX = tl.constexpr(
+    """{
+.reg .pred p;
+.reg .b32 w0, w1, w2, w3, q0, q1, q2, q3, q4, q5, q6, q7, c;
+.reg .b16 l, h, e0, e1;
+.reg .f32 f0, f1, f2, f3, a0, a1, a2, a3, s;
+mov.b32 w0, 0; mov.b32 w1, 0; mov.b32 w2, 0; mov.b32 w3, 0;
+setp.ne.b32 p, $3, 0;
+@p ld.global.nc.v4.b32 {w0, w1, w2, w3}, [$1];
+ld.global.nc.v4.b32 {q0, q1, q2, q3}, [$2];
+ld.global.nc.v4.b32 {q4, q5, q6, q7}, [$2+16];
+mov.f32 s, 0f00000000;
+"""
+    + "".join(_E4M3_PAIR.format(w=f"w{i}", qa=f"q{2 * i}", qb=f"q{2 * i + 1}") for i in range(4))
+    + "mov.b32 $0, s;\n}"
+)
 
 
 def strip(programs_per_row_block: int, out: int, sms: int) -> tuple[int, int]:
@@ -41,9 +67,10 @@ def strip(programs_per_row_block: int, out: int, sms: int) -> tuple[int, int]:
     return block_n, THREADS // block_n
 
 
-def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = None,
-                    groups: int | None = None) -> torch.Tensor:  # fmt: skip
-    """x [..., in] @ W^T (+ bias) -> [..., out] in x's dtype (linear_fp8's arguments), for few rows of x."""
+def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = None, groups: int | None = None,
+                    x_in_asm: bool = False) -> torch.Tensor:  # fmt: skip
+    """x [..., in] @ W^T (+ bias) -> [..., out] in x's dtype (linear_fp8's arguments), for few rows of x.
+    x_in_asm: one PTX block loads and dots each vector (bf16 x on the GPU; not measured yet)."""
     check_fp8_weight(weight, scale_inv)
     out_features, in_features = weight.shape
     check(
@@ -59,14 +86,19 @@ def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = No
     _linear_gemv[(rows, triton.cdiv(out_features, block_n))](
         x, weight, scale_inv, bias if bias is not None else scale_inv, y, out_features, in_features,
         x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, GROUPS=groups, num_warps=4,
+        BLOCK_N=block_n, GROUPS=groups, X_IN_ASM=_x_in_asm(x_in_asm, x), num_warps=4,
     )  # fmt: skip
     return y.view(*lead, out_features)
 
 
+def _x_in_asm(asked: bool, x: torch.Tensor) -> bool:
+    """Whether the PTX path runs: asked for, compiled (the interpreter has no inline assembly), bf16 x."""
+    return asked and not interpreting() and x.dtype == torch.bfloat16
+
+
 def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                  limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int | None = None,
-                 groups: int | None = None) -> torch.Tensor:  # fmt: skip
+                 groups: int | None = None, x_in_asm: bool = False) -> torch.Tensor:  # fmt: skip
     """moe_fp8's function for few pairs -> [T, H] in x's dtype (sum_k=False: the k parts [T, k, H] fp32)."""
     _, hidden, inter = expert_shapes(x, w, topk_ids, activation)
     check(hidden % 16 == 0 and inter % 16 == 0, f"hidden {hidden} and intermediate {inter}: multiples of 16")
@@ -86,7 +118,7 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
         hidden, inter, gus.shape[1] // 2, k, float(limit), float(alpha), x.stride(0), gu.stride(0), gu.stride(1),
         gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
         HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], BLOCK_N=block_n or n1,
-        GROUPS=groups or g1, num_warps=4,
+        GROUPS=groups or g1, X_IN_ASM=_x_in_asm(x_in_asm, x), num_warps=4,
     )  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -94,7 +126,7 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
-        BLOCK_N=block_n or n2, GROUPS=groups or g2, num_warps=4,
+        BLOCK_N=block_n or n2, GROUPS=groups or g2, X_IN_ASM=_x_in_asm(x_in_asm, x), num_warps=4,
     )  # fmt: skip
     if not sum_k:
         return y.view(num_tokens, k, hidden)
@@ -114,20 +146,35 @@ def _load(w_rows, s_rows, n_ok, v0, K, GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _gemv(a_row, w_rows, s_rows, n_ok, K, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+def _gemv(
+    a_row, w_rows, s_rows, n_ok, K, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, X_IN_ASM: tl.constexpr
+):
     """[BN] fp32: the rows' dot products with a_row over K inputs, the next step's weights and inputs loaded
-    before this step's are used."""
+    before this step's are used (or, X_IN_ASM, each vector loaded and dotted by one PTX block)."""
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    tile_next, scale_next = _load(w_rows, s_rows, n_ok, 0, K, GROUPS)
-    a_next = tl.load(a_row + tl.arange(0, GROUPS)[:, None] * 16 + tl.arange(0, 16)[None, :],
-                     mask=(tl.arange(0, GROUPS) < K // 16)[:, None], other=0.0)  # fmt: skip
-    for v0 in range(0, K // 16, GROUPS):
-        tile, scale, a = tile_next, scale_next, a_next
-        tile_next, scale_next = _load(w_rows, s_rows, n_ok, v0 + GROUPS, K, GROUPS)
-        offs_v = v0 + GROUPS + tl.arange(0, GROUPS)
-        a_next = tl.load(a_row + offs_v[:, None] * 16 + tl.arange(0, 16)[None, :],
-                         mask=(offs_v < K // 16)[:, None], other=0.0)  # fmt: skip
-        acc += tl.sum(tile.to(tl.float32) * a.to(tl.float32)[None, :, :], 2) * scale
+    if X_IN_ASM:
+        for v0 in range(0, K // 16, GROUPS):
+            offs_v = v0 + tl.arange(0, GROUPS)
+            ok = n_ok[:, None] & (offs_v < K // 16)[None, :]
+            w_addr = (w_rows + offs_v[None, :] * 16).to(tl.int64)
+            # past K: any inputs of the row (the vector's weights read as 0)
+            x_addr = (a_row + tl.minimum(offs_v, K // 16 - 1)[None, :] * 16).to(tl.int64)
+            part = tl.inline_asm_elementwise(
+                _DOT16_FP8_PTX, "=r,l,l,r", [w_addr, tl.broadcast_to(x_addr, w_addr.shape), ok.to(tl.int32)],
+                dtype=tl.float32, is_pure=True, pack=1,
+            )  # fmt: skip
+            acc += part * tl.load(s_rows[:, None] + (offs_v // 8)[None, :], mask=ok, other=0.0)
+    else:
+        tile_next, scale_next = _load(w_rows, s_rows, n_ok, 0, K, GROUPS)
+        a_next = tl.load(a_row + tl.arange(0, GROUPS)[:, None] * 16 + tl.arange(0, 16)[None, :],
+                         mask=(tl.arange(0, GROUPS) < K // 16)[:, None], other=0.0)  # fmt: skip
+        for v0 in range(0, K // 16, GROUPS):
+            tile, scale, a = tile_next, scale_next, a_next
+            tile_next, scale_next = _load(w_rows, s_rows, n_ok, v0 + GROUPS, K, GROUPS)
+            offs_v = v0 + GROUPS + tl.arange(0, GROUPS)
+            a_next = tl.load(a_row + offs_v[:, None] * 16 + tl.arange(0, 16)[None, :],
+                             mask=(offs_v < K // 16)[:, None], other=0.0)  # fmt: skip
+            acc += tl.sum(tile.to(tl.float32) * a.to(tl.float32)[None, :, :], 2) * scale
     return tl.sum(acc, 1)
 
 
@@ -141,10 +188,11 @@ def _strip(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _linear_gemv(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_x, stride_wn, stride_sn, stride_y,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                 X_IN_ASM: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs_n, n_ok, w_rows, s_rows = _strip(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
-    out = _gemv(x_ptr + row * stride_x, w_rows, s_rows, n_ok, K, BLOCK_N, GROUPS)
+    out = _gemv(x_ptr + row * stride_x, w_rows, s_rows, n_ok, K, BLOCK_N, GROUPS, X_IN_ASM)
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -155,6 +203,7 @@ def _gate_up_gemv(
     x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, H, I, UP_SCALE_ROW, TOPK, limit, alpha,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    X_IN_ASM: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -163,8 +212,8 @@ def _gate_up_gemv(
     # up rows I + n, with their own scale grid from row UP_SCALE_ROW (fp8_tile's layout)
     up_rows, up_s = gate_rows + I * stride_wn, gate_s + UP_SCALE_ROW * stride_sn
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
-    gate = _gemv(x_row, gate_rows, gate_s, n_ok, H, BLOCK_N, GROUPS)[None, :]
-    up = _gemv(x_row, up_rows, up_s, n_ok, H, BLOCK_N, GROUPS)[None, :]
+    gate = _gemv(x_row, gate_rows, gate_s, n_ok, H, BLOCK_N, GROUPS, X_IN_ASM)[None, :]
+    up = _gemv(x_row, up_rows, up_s, n_ok, H, BLOCK_N, GROUPS, X_IN_ASM)[None, :]
     if HAS_BIAS:
         gate += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(b_ptr + expert * stride_bias + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -177,13 +226,13 @@ def _gate_up_gemv(
 def _down_gemv(
     h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_y,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, X_IN_ASM: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n, n_ok, w_rows, s_rows = _strip(w_ptr + expert * stride_we, s_ptr + expert * stride_se, H, stride_wn,
                                           stride_sn, BLOCK_N)  # fmt: skip
-    out = _gemv(h_ptr + pair.to(tl.int64) * stride_h, w_rows, s_rows, n_ok, I, BLOCK_N, GROUPS)
+    out = _gemv(h_ptr + pair.to(tl.int64) * stride_h, w_rows, s_rows, n_ok, I, BLOCK_N, GROUPS, X_IN_ASM)
     if HAS_BIAS:
         out += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     out *= tl.load(weights_ptr + pair)
