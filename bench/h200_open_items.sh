@@ -7,10 +7,11 @@
 #   host      issue 10: where the engine thread's time goes in kv_drop's last round                  ~120 s
 #   sweep     issue 10: decode at batch 1, 128, 256, greedy and sampled (the q/k/v and add+norm fusions) ~90 s
 #   mxfp4     issue 12: MXFP4 kernel variants incl. the "swap" mode                                 ~180 s
+#   gemv      issue 12: the few-pairs GEMV variants (x-in-asm, strips, split-K) and their reads alone ~60 s
 #   dummy120  issue 12: gpt-oss-120b (dummy MXFP4) decode at batch 1, 64, 256, and its KV pool        ~240 s
 #   dummy20   issue 12: gpt-oss-20b (dummy MXFP4) decode at batch 1, 64, 256                         ~150 s
 #   throughput issue 12: 512 x 1k in / 1k out, MXFP4 (dummy 20b) beside bf16 (bench/throughput.py) ~300 s
-#   fp8       issue 12: MiniMax-M2 FP8 projections and MoE, and a decode step of 8 layers per layer  ~150 s
+#   fp8       issue 12: MiniMax-M2 FP8 projections and MoE (GEMV, x-in-asm, tensor cores), 8 layers  ~60 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
 # bench/serve_replay.sh) for `serve`; the other steps need no tokenizer.
@@ -28,10 +29,11 @@ for step in $STEPS; do
         host) timeout 200 python3 bench/agent_replay.py --modes kv_drop --sample-host ;;
         sweep) timeout 200 python3 bench/decode_sweep.py --batches 1,128,256 --prompt 400 --repeats 2 ;;
         mxfp4) timeout 240 python3 bench/mxfp4_variants.py --out "$OUT/mxfp4_variants.json" ;;
+        gemv) timeout 150 python3 bench/mxfp4_variants.py --tokens 1,8 --only gemv --out "$OUT/gemv_variants.json" ;;
         dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 ;;
         dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
         throughput) timeout 400 python3 bench/throughput.py ;;
-        fp8) timeout 300 python3 bench/bench_fp8.py --tokens 1,64,256 --layers 8 ;;
+        fp8) timeout 300 python3 bench/bench_fp8.py --tokens 1,4,64 --layers 8 ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;
         *) echo "unknown step $step" ;;
     esac > "$log" 2>&1
