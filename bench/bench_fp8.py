@@ -37,7 +37,7 @@ from common import Log, rel_err
 
 from minakv.ops.fp8_gemv import linear_fp8_gemv, moe_fp8_gemv
 from minakv.ops.fp8_linear import GEMV_MAX_ROWS, linear_fp8, linear_fp8_triton
-from minakv.ops.fp8_moe import FUSED_MAX_PAIRS, moe_fp8, moe_fp8_fused, moe_fp8_grouped
+from minakv.ops.fp8_moe import FUSED_MAX_PAIRS, GEMV_MAX_PAIRS, moe_fp8, moe_fp8_fused, moe_fp8_grouped
 from minakv.ops.fp8_tile import KEYS, dequantize_experts
 from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, route_sigmoid_bias
@@ -141,9 +141,7 @@ class Bench:
         ref = bf16_path(x, *w16, weights, ids)
         err = rel_err(moe_fp8(x, w, weights, ids), ref)
         fp8 = self.row(f"{tag} fp8 (moe_fp8)", lambda: moe_fp8(x, w, weights, ids), need, err_vs_bf16=err)
-        if (
-            ids.numel() <= s["experts"]
-        ):  # moe_fp8 took the GEMV: the fused kernels and the PTX variant beside it
+        if ids.numel() <= min(GEMV_MAX_PAIRS, s["experts"]):  # moe_fp8 took the GEMV: the others beside it
             self.row(
                 f"{tag} fp8 moe_fp8_fused", lambda: moe_fp8_fused(x, w, weights, ids), need, headline=False
             )

@@ -182,7 +182,7 @@ def test_moe_gemv_matches_reference(activation: str, biases: bool, t: int) -> No
 @interpreted
 def test_moe_fp8_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU tensors take the dequantize-per-expert reference; with Triton on CPU, pairs no more than the
-    experts the GEMV, a few more the fused kernels and many (here: more than 4) the grouped GEMM; all agree."""
+    experts (and than GEMV_MAX_PAIRS) the GEMV, a few more the fused kernels and many (here: more than 4) the grouped GEMM; all agree."""
     from minakv.ops import triton_util
 
     args, ref = moe_case("silu", 3, h=256, i=128, seed=3)
@@ -289,7 +289,7 @@ def test_moe_real_shape_gpu(tokens: int) -> None:
     if tokens * k <= 512:  # the fused kernels' id scan is sized for decode batches
         errs["fp8 fused"] = rel_err(moe_fp8_fused(x, w, weights, ids), ref)
         errs["fp8 fused fp32"] = rel_err(moe_fp8_fused(x.float(), w, weights, ids), ref)
-    if tokens * k <= e:  # the GEMV (what moe_fp8 takes here)
+    if tokens * k <= e:  # the GEMV (what moe_fp8 takes up to 16 pairs)
         errs["fp8 gemv"] = rel_err(moe_fp8_gemv(x, w, weights, ids), ref)
         errs["fp8 gemv fp32"] = rel_err(moe_fp8_gemv(x.float(), w, weights, ids), ref)
         errs["fp8 gemv x in asm"] = rel_err(moe_fp8_gemv(x, w, weights, ids, x_in_asm=True), ref)

@@ -12,7 +12,8 @@ in bf16.
 (minakv/ops/moe.py) on `dequantize_experts` of the same weights, and picks one of four paths:
 
   CPU tensors           `moe_fp8_ref`: each chosen expert dequantized to x's dtype, one matmul per expert.
-  pairs <= experts      `moe_fp8_gemv` (minakv/ops/fp8_gemv.py): a GEMV per pair on the CUDA cores.
+  <= 16 pairs           `moe_fp8_gemv` (minakv/ops/fp8_gemv.py): a GEMV per pair on the CUDA cores (and no
+                        more pairs than experts).
   few pairs (decode)    `moe_fp8_fused`, below: the two kernels of fused_moe.py with an FP8 weight tile.
                         Each program owns (expert, block of output columns), finds its expert's pairs by
                         scanning the id list (no sort), and reads its FP8 tile and scales once:
@@ -51,6 +52,10 @@ from minakv.ops.triton_util import use_triton
 
 # the fused kernels up to this many (token, slot) pairs (their id scan grows with them); then the grouped GEMM
 FUSED_MAX_PAIRS = 512
+# the GEMV up to this many pairs (and no more than the experts: each is read once per pair). On the H200 at
+# MiniMax-M2's shapes it took 0.077 ms at 8 pairs against 0.114 for the fused kernels, 0.260 against 0.216 at
+# 32 (bench/RESULTS.md "FP8 weights")
+GEMV_MAX_PAIRS = 16
 
 
 def moe_fp8(
@@ -68,7 +73,7 @@ def moe_fp8(
     args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if not use_triton(x):
         return moe_fp8_ref(*args)
-    if topk_ids.numel() <= w["gate_up"].shape[0]:  # few pairs next to the experts: each read about once
+    if topk_ids.numel() <= min(GEMV_MAX_PAIRS, w["gate_up"].shape[0]):
         return moe_fp8_gemv(*args)
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
         return moe_fp8_fused(*args)
