@@ -35,56 +35,23 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
-from minakv.ops.mxfp4_tile import e2m1_f16, packed_shapes
+from minakv.ops.mxfp4_ptx import dot8, dot8_load
+from minakv.ops.mxfp4_tile import packed_shapes
 from minakv.ops.triton_util import interpreting
-
-# One 32-bit word of packed bytes ($1: 8 codes, the code of input m in bits 4m..4m+3) and its 8 inputs -> the
-# sum of code value * 2^-14 * input ($0, fp32). prmt spreads bytes (0, 1) and (2, 3) over the halves of a
-# register; a shift and two masks per nibble position then make two fp16 at once: inputs (0, 2), (4, 6),
-# (1, 3), (5, 7). The inputs come as 8 fp32 registers ($2..$9, _DOT8_PTX), or the block loads them itself
-# from the address of 8 consecutive bf16 ($2, _DOT8_LOAD_PTX): then no thread needs another's activations,
-# so they are never exchanged through shared memory.
-_REGS = """.reg .b32 t01, t23, a, b, r0, r1, r2, r3, q0, q1, q2, q3;
-.reg .b16 h0, h1, h2, h3, h4, h5, h6, h7;
-.reg .f32 f0, f1, f2, f3, f4, f5, f6, f7, s, x0, x1, x2, x3, x4, x5, x6, x7;
-"""
-_DECODE = """prmt.b32 t01, $1, 0, 0x4140;
-prmt.b32 t23, $1, 0, 0x4342;
-shl.b32 a, t01, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t01, 12; and.b32 b, b, 0x80008000; or.b32 r0, a, b;
-shl.b32 a, t23, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, t23, 12; and.b32 b, b, 0x80008000; or.b32 r1, a, b;
-shl.b32 a, t01, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, t01, 8;  and.b32 b, b, 0x80008000; or.b32 r2, a, b;
-shl.b32 a, t23, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, t23, 8;  and.b32 b, b, 0x80008000; or.b32 r3, a, b;
-mov.b32 {h0, h2}, r0;
-mov.b32 {h4, h6}, r1;
-mov.b32 {h1, h3}, r2;
-mov.b32 {h5, h7}, r3;
-cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1; cvt.f32.f16 f2, h2; cvt.f32.f16 f3, h3;
-cvt.f32.f16 f4, h4; cvt.f32.f16 f5, h5; cvt.f32.f16 f6, h6; cvt.f32.f16 f7, h7;
-"""
-_FMAS = """mul.f32 s, f0, {};
-fma.rn.f32 s, f1, {}, s; fma.rn.f32 s, f2, {}, s; fma.rn.f32 s, f3, {}, s; fma.rn.f32 s, f4, {}, s;
-fma.rn.f32 s, f5, {}, s; fma.rn.f32 s, f6, {}, s; fma.rn.f32 s, f7, {}, s;
-mov.b32 $0, s;
-"""
-_LOAD_BF16X8 = """ld.global.nc.v4.b32 {q0, q1, q2, q3}, [$2];
-shl.b32 x0, q0, 16; and.b32 x1, q0, 0xFFFF0000; shl.b32 x2, q1, 16; and.b32 x3, q1, 0xFFFF0000;
-shl.b32 x4, q2, 16; and.b32 x5, q2, 0xFFFF0000; shl.b32 x6, q3, 16; and.b32 x7, q3, 0xFFFF0000;
-"""
-_DOT8_PTX = tl.constexpr("{\n" + _REGS + _DECODE + _FMAS.format(*(f"${i}" for i in range(2, 10))) + "}")
-_DOT8_LOAD_PTX = tl.constexpr(
-    "{\n" + _REGS + _LOAD_BF16X8 + _DECODE + _FMAS.format(*(f"x{i}" for i in range(8))) + "}"
-)
 
 
 def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                    limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int = 16, groups: int = 8,
-                   num_warps: int = 4, splits: int = 1, x_in_asm: bool = False) -> torch.Tensor:  # fmt: skip
+                   num_warps: int = 4, splits: int = 1, x_in_asm: bool = False,
+                   sort: bool = False) -> torch.Tensor:  # fmt: skip
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype (sum_k=False: the k
     parts [T, k, H] in fp32), the experts packed (moe_mxfp4's arguments). block_n rows and `groups` groups
     of 32 inputs per program and step are for benchmarks and tests (powers of two). splits: programs along
     the input per strip (split-K: shorter chains of dependent steps); gate/up then store fp32 partials that
     `gate_up_finish` sums (bias, activation), down returns its parts as extra slots [T, k * splits, H].
-    x_in_asm: the PTX block loads each word's inputs itself (bf16 activations on the GPU; not measured yet)."""
+    x_in_asm: the PTX block loads each word's inputs itself (bf16 activations on the GPU; not measured yet).
+    sort: program rows in expert order (an argsort on the device), so an expert chosen by several pairs is
+    read from memory about once, the rest from L2 (for more pairs than experts; not measured yet)."""
     _, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
@@ -95,7 +62,8 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     gub, db = gub.view(torch.int32), db.view(torch.int32)  # a group's 16 bytes as 4 words [E, out, in/32, 4]
     asm = not interpreting()
     meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": asm, "SPLITS": splits, "num_warps": num_warps,
-            "X_IN_ASM": x_in_asm and asm and x.dtype == torch.bfloat16}  # fmt: skip
+            "X_IN_ASM": x_in_asm and asm and x.dtype == torch.bfloat16, "SORTED": sort}  # fmt: skip
+    order = torch.argsort(ids, stable=True) if sort else ids  # (any pointer when not sorted)
     gate_up_bias_arg = gate_up_bias if gate_up_bias is not None else dummy
     gate_up_bias_stride = gate_up_bias.stride(0) if gate_up_bias is not None else 0
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -104,7 +72,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
         torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device) if splits > 1 else h
     )
     _gate_up_gemv[(num_pairs, triton.cdiv(inter, block_n), splits)](
-        x, gub, gus, gate_up_bias_arg, ids, partial, hidden, inter, k, float(limit), float(alpha),
+        x, gub, gus, gate_up_bias_arg, ids, order, partial, hidden, inter, k, float(limit), float(alpha),
         k_per_split(hidden, 32 * groups, splits) // 32, x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0),
         gus.stride(1), gate_up_bias_stride, partial.stride(-2), HAS_BIAS=gate_up_bias is not None,
         ACT=ACTIVATIONS[activation], **meta,
@@ -119,7 +87,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     y = torch.empty(num_pairs * splits, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_gemv[(num_pairs, triton.cdiv(hidden, block_n), splits)](
-        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
+        h, db, ds, down_bias if down_bias is not None else dummy, ids, order, weights, y, inter, hidden,
         k_per_split(inter, 32 * groups, splits) // 32, h.stride(0), db.stride(0), db.stride(1), ds.stride(0),
         ds.stride(1), down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
@@ -133,26 +101,6 @@ def k_per_split(size: int, block_k: int, splits: int) -> int:
     """Inputs each of `splits` programs covers (here and in mxfp4_moe.py): whole steps of block_k inputs (so
     whole MXFP4 groups), as even as can be."""
     return triton.cdiv(triton.cdiv(size, block_k), splits) * block_k
-
-
-@triton.jit
-def _dot8(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
-    """Per packed word: the sum over its 8 inputs of FP4 value * 2^-14 * input (fp32)."""
-    if ASM:
-        out = tl.inline_asm_elementwise(
-            _DOT8_PTX, "=r,r,r,r,r,r,r,r,r,r", [words, x0, x1, x2, x3, x4, x5, x6, x7], dtype=tl.float32,
-            is_pure=True, pack=1,
-        )  # fmt: skip
-    else:  # the same arithmetic per code (mxfp4_tile.e2m1_f16)
-        out = e2m1_f16(words & 0xF).to(tl.float32) * x0
-        out += e2m1_f16((words >> 4) & 0xF).to(tl.float32) * x1
-        out += e2m1_f16((words >> 8) & 0xF).to(tl.float32) * x2
-        out += e2m1_f16((words >> 12) & 0xF).to(tl.float32) * x3
-        out += e2m1_f16((words >> 16) & 0xF).to(tl.float32) * x4
-        out += e2m1_f16((words >> 20) & 0xF).to(tl.float32) * x5
-        out += e2m1_f16((words >> 24) & 0xF).to(tl.float32) * x6
-        out += e2m1_f16((words >> 28) & 0xF).to(tl.float32) * x7
-    return out
 
 
 @triton.jit
@@ -204,9 +152,7 @@ def _acc(a_row, a, g0, g_hi, words, scale, acc, GROUPS: tl.constexpr, ASM: tl.co
         offs_g = tl.minimum(g0 + tl.arange(0, GROUPS), g_hi - 1)
         addr = a_row + offs_g[:, None] * 32 + tl.arange(0, 4)[None, :] * 8
         addr = tl.broadcast_to(addr[None, :, :], words.shape).to(tl.int64)
-        part = tl.inline_asm_elementwise(
-            _DOT8_LOAD_PTX, "=r,r,l", [words, addr], dtype=tl.float32, is_pure=True, pack=1
-        )
+        part = dot8_load(words, addr)
     else:
         # input m of each word (a's last dim, m = 4 m2 + 2 m1 + m0), each [G, 4]
         a0, a1 = tl.split(tl.reshape(a.to(tl.float32), (GROUPS, 4, 2, 2, 2)))  # m0 = 0 / 1: [G, 4, 2, 2]
@@ -216,20 +162,31 @@ def _acc(a_row, a, g0, g_hi, words, scale, acc, GROUPS: tl.constexpr, ASM: tl.co
         x2, x6 = tl.split(a01)
         x1, x5 = tl.split(a10)
         x3, x7 = tl.split(a11)
-        part = _dot8(
+        part = dot8(
             words, x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None], ASM
         )
     return acc + tl.sum(part, 2) * scale
 
 
 @triton.jit
+def _my_pair(order_ptr, SORTED: tl.constexpr):
+    """The pair this program row serves: program_id(0), or with SORTED the program_id(0)-th in expert order
+    (so the programs of one expert's pairs run side by side and all but the first read it from L2)."""
+    if SORTED:
+        pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int32)
+    else:
+        pair = tl.program_id(0)
+    return pair
+
+
+@triton.jit
 def _gate_up_gemv(
-    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
+    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, order_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
-    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr,
+    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr, SORTED: tl.constexpr,
 ):  # fmt: skip
-    pair = tl.program_id(0)
+    pair = _my_pair(order_ptr, SORTED)
     expert = tl.load(ids_ptr + pair)
     offs_n, n_ok, gate_b, gate_s = _rows(wb_ptr, ws_ptr, expert, I, stride_be, stride_bn, stride_se, stride_sn,
                                          BLOCK_N)  # fmt: skip
@@ -268,12 +225,12 @@ def _gate_up_gemv(
 
 @triton.jit
 def _down_gemv(
-    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
+    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, order_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
-    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr,
+    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr, SORTED: tl.constexpr,
 ):  # fmt: skip
-    pair = tl.program_id(0)
+    pair = _my_pair(order_ptr, SORTED)
     expert = tl.load(ids_ptr + pair)
     offs_n, n_ok, w_b, w_s = _rows(
         wb_ptr, ws_ptr, expert, H, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N
