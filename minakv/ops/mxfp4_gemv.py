@@ -19,13 +19,10 @@ token's k slots by the caller (or by add_rms_norm). With split-K, gate/up store 
 so an expert chosen by several pairs is read several times: `moe_mxfp4` takes this path only while the
 pairs are no more than the experts.
 
-Decoding. A byte holds two E2M1 codes, the low nibble the even input. The code's bits e1 e0 m0 put right
-under fp16's exponent, and its sign on fp16's, make an fp16 equal to the FP4 value times 2^-14 (the 0.5
-code lands on an fp16 subnormal, exact); the 2^14 goes into the group's scale, 2^(s - 127 + 14). On the GPU
-one inline-PTX block per 32-bit word does it for the word's 8 codes and their 8 multiply-adds in fp32: two
-`prmt` spread bytes (0, 1) and (2, 3) over the halves of a register, then a shift and two masks per nibble
-position make two fp16 at once. The interpreter, which has no inline assembly, runs the same arithmetic
-per code (mxfp4_tile.e2m1_f16).
+Decoding: on the GPU one inline-PTX block per 32-bit word (mxfp4_ptx.py) turns its 8 codes into fp16
+equal to the FP4 values times 2^-14, two at a time, and does the 8 multiply-adds in fp32; the 2^14 goes
+into the group's scale, 2^(s - 127 + 14). The interpreter, which has no inline assembly, runs the same
+arithmetic per code.
 """
 
 from __future__ import annotations
