@@ -92,8 +92,9 @@ def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = No
 
 
 def _x_in_asm(asked: bool, x: torch.Tensor) -> bool:
-    """Whether the PTX path runs: asked for, compiled (the interpreter has no inline assembly), bf16 x."""
-    return asked and not interpreting() and x.dtype == torch.bfloat16
+    """Whether the PTX path runs: asked for, compiled (the interpreter has no inline assembly), bf16 x whose
+    rows start on 16 bytes (the block's vector loads)."""
+    return asked and not interpreting() and x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0
 
 
 def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",

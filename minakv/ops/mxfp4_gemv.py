@@ -59,7 +59,8 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     gub, db = gub.view(torch.int32), db.view(torch.int32)  # a group's 16 bytes as 4 words [E, out, in/32, 4]
     asm = not interpreting()
     meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": asm, "SPLITS": splits, "num_warps": num_warps,
-            "X_IN_ASM": x_in_asm and asm and x.dtype == torch.bfloat16, "SORTED": sort}  # fmt: skip
+            "X_IN_ASM": x_in_asm and asm and x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0,  # 16-byte loads
+            "SORTED": sort}  # fmt: skip
     order = torch.argsort(ids, stable=True) if sort else ids  # (any pointer when not sorted)
     gate_up_bias_arg = gate_up_bias if gate_up_bias is not None else dummy
     gate_up_bias_stride = gate_up_bias.stride(0) if gate_up_bias is not None else 0
