@@ -27,7 +27,7 @@ import triton.language as tl
 
 from minakv.ops.fp8_tile import check_fp8_weight, expert_shapes
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
-from minakv.ops.triton_util import check, interpreting, num_sms
+from minakv.ops.triton_util import check, num_sms, ptx_loads_ok
 
 THREADS = 128  # 4 warps; a thread holds one 16-byte vector of a step
 
@@ -86,15 +86,9 @@ def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = No
     _linear_gemv[(rows, triton.cdiv(out_features, block_n))](
         x, weight, scale_inv, bias if bias is not None else scale_inv, y, out_features, in_features,
         x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, GROUPS=groups, X_IN_ASM=_x_in_asm(x_in_asm, x), num_warps=4,
+        BLOCK_N=block_n, GROUPS=groups, X_IN_ASM=ptx_loads_ok(x_in_asm, x), num_warps=4,
     )  # fmt: skip
     return y.view(*lead, out_features)
-
-
-def _x_in_asm(asked: bool, x: torch.Tensor) -> bool:
-    """Whether the PTX path runs: asked for, compiled (the interpreter has no inline assembly), bf16 x whose
-    rows start on 16 bytes (the block's vector loads)."""
-    return asked and not interpreting() and x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0
 
 
 def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
@@ -110,24 +104,25 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
     gu, db = w["gate_up"], w["down"]
     gus, ds = w["gate_up_scale_inv"].contiguous(), w["down_scale_inv"].contiguous()
     dummy = ids
-    sms = num_sms(x.device)
-    n1, g1 = strip(num_pairs, inter, sms)
-    n2, g2 = strip(num_pairs, hidden, sms)
+    (n1, g1), (n2, g2) = (strip(num_pairs, size, num_sms(x.device)) for size in (inter, hidden))
+    n1, n2 = block_n or n1, block_n or n2
+    g1, g2 = groups or g1, groups or g2
+    asm = ptx_loads_ok(x_in_asm, x)  # (h, down's input, is allocated here: aligned, x's dtype)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _gate_up_gemv[(num_pairs, triton.cdiv(inter, block_n or n1))](
+    _gate_up_gemv[(num_pairs, triton.cdiv(inter, n1))](
         x, gu, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h,
         hidden, inter, gus.shape[1] // 2, k, float(limit), float(alpha), x.stride(0), gu.stride(0), gu.stride(1),
         gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
-        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], BLOCK_N=block_n or n1,
-        GROUPS=groups or g1, X_IN_ASM=_x_in_asm(x_in_asm, x), num_warps=4,
+        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], BLOCK_N=n1, GROUPS=g1,
+        X_IN_ASM=asm, num_warps=4,
     )  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _down_gemv[(num_pairs, triton.cdiv(hidden, block_n or n2))](
+    _down_gemv[(num_pairs, triton.cdiv(hidden, n2))](
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
-        BLOCK_N=block_n or n2, GROUPS=groups or g2, X_IN_ASM=_x_in_asm(x_in_asm, x), num_warps=4,
+        BLOCK_N=n2, GROUPS=g2, X_IN_ASM=asm, num_warps=4,
     )  # fmt: skip
     if not sum_k:
         return y.view(num_tokens, k, hidden)

@@ -34,7 +34,7 @@ import triton.language as tl
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
 from minakv.ops.mxfp4_ptx import dot8, dot8_load
 from minakv.ops.mxfp4_tile import packed_shapes
-from minakv.ops.triton_util import interpreting
+from minakv.ops.triton_util import interpreting, ptx_loads_ok
 
 
 def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
@@ -59,28 +59,21 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     gub, db = gub.view(torch.int32), db.view(torch.int32)  # a group's 16 bytes as 4 words [E, out, in/32, 4]
     asm = not interpreting()
     meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": asm, "SPLITS": splits, "num_warps": num_warps,
-            "X_IN_ASM": x_in_asm and asm and x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0,  # 16-byte loads
-            "SORTED": sort}  # fmt: skip
+            "X_IN_ASM": ptx_loads_ok(x_in_asm, x), "SORTED": sort}  # fmt: skip
     order = torch.argsort(ids, stable=True) if sort else ids  # (any pointer when not sorted)
-    gate_up_bias_arg = gate_up_bias if gate_up_bias is not None else dummy
-    gate_up_bias_stride = gate_up_bias.stride(0) if gate_up_bias is not None else 0
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     # with split-K gate/up write fp32 partials [splits, pairs, gate I | up I] instead of h
     partial = (
         torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device) if splits > 1 else h
     )
     _gate_up_gemv[(num_pairs, triton.cdiv(inter, block_n), splits)](
-        x, gub, gus, gate_up_bias_arg, ids, order, partial, hidden, inter, k, float(limit), float(alpha),
+        x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, order, partial, hidden, inter, k, float(limit), float(alpha),
         k_per_split(hidden, 32 * groups, splits) // 32, x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0),
-        gus.stride(1), gate_up_bias_stride, partial.stride(-2), HAS_BIAS=gate_up_bias is not None,
+        gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0, partial.stride(-2), HAS_BIAS=gate_up_bias is not None,
         ACT=ACTIVATIONS[activation], **meta,
     )  # fmt: skip
     if splits > 1:
-        gate_up_finish[(num_pairs, triton.cdiv(inter, 256))](
-            partial, gate_up_bias_arg, ids, h, num_pairs, inter, float(limit), float(alpha), gate_up_bias_stride,
-            h.stride(0), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], SPLIT_COLS=False,
-            SPLITS=splits, BLOCK=256,
-        )  # fmt: skip
+        finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, split_cols=False)
     # down: row pair * splits + s holds split s's part, so the parts of a token stay together
     y = torch.empty(num_pairs * splits, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -93,6 +86,19 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     if not sum_k:  # the caller's add_rms_norm sums the k parts (minakv/ops/norm.py)
         return y.view(num_tokens, k * splits, hidden)
     return y.view(num_tokens, k * splits, hidden).sum(1).to(x.dtype)
+
+
+def finish_gate_up(partial: torch.Tensor, gate_up_bias: torch.Tensor | None, ids: torch.Tensor, h: torch.Tensor,
+                   activation: str, limit: float, alpha: float, split_cols: bool) -> None:  # fmt: skip
+    """Split-K's end for gate/up (here and in mxfp4_moe.py): `gate_up_finish` over the fp32 partials
+    [splits, pairs, gate I | up I] -> h [pairs, I]."""
+    splits, num_pairs, two_i = partial.shape
+    gate_up_finish[(num_pairs, triton.cdiv(two_i // 2, 256))](
+        partial, gate_up_bias if gate_up_bias is not None else ids, ids, h, num_pairs, two_i // 2, float(limit),
+        float(alpha), gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
+        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], SPLIT_COLS=split_cols, SPLITS=splits,
+        BLOCK=256,
+    )  # fmt: skip
 
 
 def k_per_split(size: int, block_k: int, splits: int) -> int:

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
-from minakv.ops.mxfp4_gemv import gate_up_finish, k_per_split, moe_mxfp4_gemv
+from minakv.ops.mxfp4_gemv import finish_gate_up, k_per_split, moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_tile import (
     MODES,
@@ -108,8 +108,9 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     (the default), the fewer: on the H200 at one token 0.093 ms against 0.130 for 120b's 128 experts, 0.092
     against 0.105 for 20b's 32. splits: programs per output block along K (split-K: more programs, and
     more bytes in flight, when few pairs leave the GPU's SMs short of work; docs/kernels.md). Each writes
-    fp32 partial sums: gate/up's are summed by a small kernel (mxfp4_gemv.gate_up_finish) that applies bias and activation, down's
-    are returned as extra parts (sum_k=False: [T, k * splits, H]) or summed here. Not measured yet."""
+    fp32 partial sums: gate/up's are summed by mxfp4_gemv.finish_gate_up (bias, activation), down's are
+    returned as extra parts (sum_k=False: [T, k * splits, H]) or summed here. On the H200 at one token split
+    4 took "scaled" from 0.104 to 0.092 ms and did nothing for "split" (RESULTS.md "GEMVs for few pairs")."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
@@ -146,8 +147,6 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
         "num_stages": num_stages,
     }
     rows = num_pairs if by_pair else num_experts
-    gate_up_bias_arg = gate_up_bias if gate_up_bias is not None else dummy
-    gate_up_bias_stride = gate_up_bias.stride(0) if gate_up_bias is not None else 0
 
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # split columns in modes 1-3
     # with split-K the kernel writes fp32 partials [splits, pairs, gate I | up I] instead of h
@@ -155,17 +154,13 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
         torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device) if splits > 1 else h
     )
     _gate_up_kernel[(rows, triton.cdiv(inter, block_n), splits)](
-        x, gub, gus, gate_up_bias_arg, ids, partial,
+        x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, partial,
         num_pairs, hidden, inter, k, float(limit), float(alpha), k_per_split(hidden, block_k, splits),
-        x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0), gus.stride(1), gate_up_bias_stride,
+        x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0,
         partial.stride(-2), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], **meta,
     )  # fmt: skip
     if splits > 1:
-        gate_up_finish[(num_pairs, triton.cdiv(inter, 256))](
-            partial, gate_up_bias_arg, ids, h, num_pairs, inter, float(limit), float(alpha), gate_up_bias_stride,
-            h.stride(0), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation],
-            SPLIT_COLS=MODES[mode] in (1, 2, 3), SPLITS=splits, BLOCK=256,
-        )  # fmt: skip
+        finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, MODES[mode] in (1, 2, 3))
     # down: row pair * splits + s holds split s's part, so the parts of a token stay together
     y = torch.empty(num_pairs * splits, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()

@@ -36,6 +36,12 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or (TRITON_ON_CPU and x.device.type == "cpu")
 
 
+def ptx_loads_ok(asked: bool, x: torch.Tensor) -> bool:
+    """Whether a GEMV's inline-PTX path that loads bf16 activations itself may run: asked for, compiled (the
+    interpreter has no inline assembly), bf16 x whose rows start on 16 bytes (the blocks' vector loads)."""
+    return asked and not interpreting() and x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0
+
+
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of the device (4 for the CPU interpreter): sizes split-K grids."""
     if device.type != "cuda":
