@@ -8,9 +8,8 @@ the clamped SwiGLU, bf16 activations, at T = 1, 8, 64, 256, 1024, 4096 tokens it
     fused <mode> ...      tile modes of mxfp4_tile.MODES ("scaled": tl.dot_scaled on the packed bytes) with
                           the per-pair grid (slots=auto) and a few block shapes    (T <= 64, and T = 256)
     gemv bn.. g.. w..     mxfp4_gemv: a GEMV per pair on the CUDA cores (T <= 16); "x-in-asm": the PTX
-                          block loads the activations itself (no layout change); "sorted": program
-                          rows in expert order (up to T = 64); "stream-only": its
-                          weight reads alone, no decode nor math (a ceiling for its access pattern)
+                          block loads the activations itself (no layout change); "stream-only" (T = 64):
+                          its weight reads alone, no decode nor math (a ceiling for its access pattern)
     fused ... split-K k   K split over k programs per output block (partial sums, then a finishing pass)
     grouped baseline      moe_mxfp4_grouped in mode "split"; "grouped default": its defaults   (T >= 256)
     grouped scaled        tl.dot_scaled tiles at a few block shapes ("interleave", "swap" and "fma",
@@ -68,11 +67,9 @@ FUSED = [("fused baseline", {"mode": "split"}), ("fused default", {})] + [
     for mode, n in (("split", 32), ("scaled", 64))
     for k in (2, 4)
 ]  # fmt: skip
-GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX_T (the sorted ones to 64)
+GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX_T
     (f"gemv bn{n} g{g} w{w}", {"block_n": n, "groups": g, "num_warps": w})
     for n, g, w in ((16, 8, 4), (8, 8, 2), (16, 4, 2), (4, 32, 4), (2, 64, 4), (4, 8, 1), (2, 16, 1), (1, 32, 1))
-] + [
-    (f"gemv sorted{' x-in-asm' * a} bn16 g8 w4", {"sort": True, "x_in_asm": a}) for a in (False, True)
 ] + [
     (f"gemv x-in-asm bn{n} g{g} w{w}", {"block_n": n, "groups": g, "num_warps": w, "x_in_asm": True})
     for n, g, w in ((16, 8, 4), (8, 8, 2), (16, 4, 2), (4, 32, 4), (32, 8, 4), (16, 16, 4))
@@ -158,10 +155,7 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
         out.append(("bf16 fused", lambda: moe_fused(*bf16_args), False))
     if tokens <= GEMV_MAX_T:
         out += [(name, lambda kw=kw: moe_mxfp4_gemv(*args, **kw), True) for name, kw in GEMV]
-    elif tokens <= DECODE_MAX_T:  # beyond, only the sorted GEMV (it might serve more pairs than experts)
-        out += [
-            (name, lambda kw=kw: moe_mxfp4_gemv(*args, **kw), True) for name, kw in GEMV if "sorted" in name
-        ]
+    elif tokens <= DECODE_MAX_T:  # beyond, the GEMV's reads alone
         out += [(f"gemv stream-only bn{n} g{g} w{wp}", lambda n=n, g=g, wp=wp: stream(args[1], args[3], n, g, wp),
                  True) for n, g, wp in STREAM]  # fmt: skip
     if tokens >= 256:

@@ -39,16 +39,15 @@ from minakv.ops.triton_util import interpreting, ptx_loads_ok
 
 def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                    limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int = 16, groups: int = 8,
-                   num_warps: int = 4, splits: int = 1, x_in_asm: bool = False,
-                   sort: bool = False) -> torch.Tensor:  # fmt: skip
+                   num_warps: int = 4, splits: int = 1, x_in_asm: bool = False) -> torch.Tensor:  # fmt: skip
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype (sum_k=False: the k
     parts [T, k, H] in fp32), the experts packed (moe_mxfp4's arguments). block_n rows and `groups` groups
     of 32 inputs per program and step are for benchmarks and tests (powers of two). splits: programs along
     the input per strip (split-K: shorter chains of dependent steps); gate/up then store fp32 partials that
     `gate_up_finish` sums (bias, activation), down returns its parts as extra slots [T, k * splits, H].
-    x_in_asm: the PTX block loads each word's inputs itself (bf16 activations on the GPU; not measured yet).
-    sort: program rows in expert order (an argsort on the device), so an expert chosen by several pairs is
-    read from memory about once, the rest from L2 (for more pairs than experts; not measured yet)."""
+    x_in_asm: the PTX block loads each word's inputs itself (bf16 activations on the GPU): 8% faster at one
+    token's pairs with 4 x 32 strips, no gain elsewhere (mxfp4_moe.gemv_config). Rows in expert order (so
+    that an expert's repeat reads hit L2) were tried and lost at 1, 8 and 64 tokens (bench/RESULTS.md)."""
     _, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
@@ -59,15 +58,14 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     gub, db = gub.view(torch.int32), db.view(torch.int32)  # a group's 16 bytes as 4 words [E, out, in/32, 4]
     asm = not interpreting()
     meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": asm, "SPLITS": splits, "num_warps": num_warps,
-            "X_IN_ASM": ptx_loads_ok(x_in_asm, x), "SORTED": sort}  # fmt: skip
-    order = torch.argsort(ids, stable=True) if sort else ids  # (any pointer when not sorted)
+            "X_IN_ASM": ptx_loads_ok(x_in_asm, x)}  # fmt: skip
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     # with split-K gate/up write fp32 partials [splits, pairs, gate I | up I] instead of h
     partial = (
         torch.empty(splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device) if splits > 1 else h
     )
     _gate_up_gemv[(num_pairs, triton.cdiv(inter, block_n), splits)](
-        x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, order, partial, hidden, inter, k, float(limit), float(alpha),
+        x, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, partial, hidden, inter, k, float(limit), float(alpha),
         k_per_split(hidden, 32 * groups, splits) // 32, x.stride(0), gub.stride(0), gub.stride(1), gus.stride(0),
         gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0, partial.stride(-2), HAS_BIAS=gate_up_bias is not None,
         ACT=ACTIVATIONS[activation], **meta,
@@ -78,7 +76,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     y = torch.empty(num_pairs * splits, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_gemv[(num_pairs, triton.cdiv(hidden, block_n), splits)](
-        h, db, ds, down_bias if down_bias is not None else dummy, ids, order, weights, y, inter, hidden,
+        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         k_per_split(inter, 32 * groups, splits) // 32, h.stride(0), db.stride(0), db.stride(1), ds.stride(0),
         ds.stride(1), down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
@@ -173,24 +171,13 @@ def _acc(a_row, a, g0, g_hi, words, scale, acc, GROUPS: tl.constexpr, ASM: tl.co
 
 
 @triton.jit
-def _my_pair(order_ptr, SORTED: tl.constexpr):
-    """The pair this program row serves: program_id(0), or with SORTED the program_id(0)-th in expert order
-    (so the programs of one expert's pairs run side by side and all but the first read it from L2)."""
-    if SORTED:
-        pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int32)
-    else:
-        pair = tl.program_id(0)
-    return pair
-
-
-@triton.jit
 def _gate_up_gemv(
-    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, order_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
+    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
-    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr, SORTED: tl.constexpr,
+    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr,
 ):  # fmt: skip
-    pair = _my_pair(order_ptr, SORTED)
+    pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
     offs_n, n_ok, gate_b, gate_s = _rows(wb_ptr, ws_ptr, expert, I, stride_be, stride_bn, stride_se, stride_sn,
                                          BLOCK_N)  # fmt: skip
@@ -229,12 +216,12 @@ def _gate_up_gemv(
 
 @triton.jit
 def _down_gemv(
-    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, order_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
+    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
-    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr, SORTED: tl.constexpr,
+    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr,
 ):  # fmt: skip
-    pair = _my_pair(order_ptr, SORTED)
+    pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
     offs_n, n_ok, w_b, w_s = _rows(
         wb_ptr, ws_ptr, expert, H, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N
