@@ -1,5 +1,6 @@
 """The fused GPT-OSS router (minakv/ops/routing.py) against the torch form it replaces: F.linear, top-k,
-softmax over the k. Runs the Triton kernel in the CPU interpreter."""
+softmax over the k. Runs the Triton kernels (H cut into splits, then the finishing top-k) in the CPU
+interpreter."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from minakv.ops.routing import route_softmax_topk_fused
 @pytest.mark.parametrize(
     "tokens,hidden,experts,k,dtype",
     [(1, 64, 32, 4, torch.float32), (5, 200, 32, 4, torch.float32), (33, 96, 128, 4, torch.float32),
-     (7, 128, 8, 2, torch.float32), (20, 64, 32, 4, torch.bfloat16), (3, 64, 32, 1, torch.float32)],
-)  # fmt: skip
+     (7, 128, 8, 2, torch.float32), (20, 64, 32, 4, torch.bfloat16), (3, 64, 32, 1, torch.float32),
+     (2, 1000, 128, 4, torch.float32), (17, 2880, 32, 4, torch.bfloat16)],
+)  # fmt: skip  (the last two: H cut into 16 and 23 splits, the last slice ragged; two token blocks)
 @interpreted
 def test_fused_routing_matches_torch(tokens, hidden, experts, k, dtype):
     g = torch.Generator().manual_seed(tokens * 31 + experts)

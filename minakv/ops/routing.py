@@ -1,15 +1,18 @@
-"""GPT-OSS routing in one launch: router logits, top-k, and the softmax over the chosen k.
+"""GPT-OSS routing in two launches: router logits, then top-k and the softmax over the chosen k.
 
 The torch form is four kernels per layer (the router's GEMM with its bias, `topk`, a cast, `softmax`); at
-decode batch 1 each of them is a few microseconds of a launch and almost no bytes, 24 layers over. Here
-one program takes a block of tokens: it computes their logits against the whole router ([E, H], a few
-hundred KB, read from L2 after the first block; wide slices of H, since at batch 1 the loop over H is
-the kernel's whole latency: 12.8 us a call with slices of 128 on the H200), rounds them to the activations' dtype exactly as the
-GEMM's output is rounded, picks the k largest by k rounds of (max, first index of it, mask it out), and
-softmaxes those k in fp32.
+decode batch 1 each of them is a few microseconds of a launch and almost no bytes, 24 or 36 layers over.
+Here the router ([E, H], a few hundred KB) is cut along H into slices spread over programs, so that even
+one token keeps many SMs reading:
 
-For prefill batches the GEMM is better left to cuBLAS, so `route_softmax_topk_fused` is used up to
-`FUSED_MAX_TOKENS` tokens (a decode batch), the torch form above that.
+    _route_partial  program (block of 16 tokens, split s): fp32 logits of its slices of H -> partial[s]
+    _route_finish   program (block of 16 tokens): sum the splits in order, add the bias, round to the
+                    activations' dtype exactly as the GEMM's output is rounded, pick the k largest by k
+                    rounds of (max, first index of it, mask it out), softmax those k in fp32
+
+One program looping over all of H took 17 us a layer at gpt-oss-120b's batch 1 on the H200 (0.6 ms of a
+3.8 ms step: the loop's latency, not bytes). For prefill batches the GEMM is better left to cuBLAS, so
+`route_softmax_topk_fused` is used up to `FUSED_MAX_TOKENS` tokens (a decode batch), the torch form above.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from minakv.ops.triton_util import check, interpreting
 
 FUSED_MAX_TOKENS = 512
 BLOCK_T = 16  # tokens per program: the smallest tensor-core tile
+TARGET_PROGRAMS = 128  # about one per SM of the H200 (132): enough to keep its reads in flight
 
 
 def route_softmax_topk_fused(
@@ -41,28 +45,38 @@ def route_softmax_topk_fused(
     if num_tokens == 0:
         return weights, ids
     e_pad = max(16, triton.next_power_of_2(num_experts))
-    _route_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
-        x, weight, bias if bias is not None else weight, weights, ids, num_tokens, hidden, num_experts, k,
-        HAS_BIAS=bias is not None, E_PAD=e_pad, K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_T=BLOCK_T,
-        BLOCK_H=max(32, min(512, 16384 // e_pad)), F32_DOT=x.dtype == torch.float32 or interpreting(),
-        num_warps=8,
+    block_h = max(32, min(128, 8192 // e_pad))
+    blocks = triton.cdiv(num_tokens, BLOCK_T)
+    slices = triton.cdiv(hidden, block_h)
+    per_split = triton.cdiv(slices, max(1, min(slices, TARGET_PROGRAMS // blocks)))
+    splits = triton.cdiv(slices, per_split)
+    partial = torch.empty(splits, blocks * BLOCK_T, e_pad, dtype=torch.float32, device=x.device)
+    _route_partial[(blocks, splits)](
+        x, weight, partial, num_tokens, hidden, num_experts, per_split * block_h, E_PAD=e_pad,
+        BLOCK_T=BLOCK_T, BLOCK_H=block_h, F32_DOT=x.dtype == torch.float32 or interpreting(), num_warps=4,
+    )  # fmt: skip
+    _route_finish[(blocks,)](
+        partial, bias if bias is not None else weight, x, weights, ids, num_tokens, num_experts, k, splits,
+        HAS_BIAS=bias is not None, E_PAD=e_pad, K_PAD=max(2, triton.next_power_of_2(k)),
+        BLOCK_T=BLOCK_T, num_warps=4,
     )  # fmt: skip
     return weights, ids
 
 
 @triton.jit
-def _route_kernel(
-    x_ptr, w_ptr, b_ptr, weights_ptr, ids_ptr, num_tokens, hidden, num_experts, k,
-    HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, F32_DOT: tl.constexpr,
+def _route_partial(
+    x_ptr, w_ptr, partial_ptr, num_tokens, hidden, num_experts, H_SPLIT,
+    E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, E_PAD)
     ok_t, ok_e = offs_t < num_tokens, offs_e < num_experts
     acc = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
+    h_lo = tl.program_id(1) * H_SPLIT
+    h_hi = tl.minimum(h_lo + H_SPLIT, hidden)
+    for h0 in range(h_lo, h_hi, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
-        ok_h = offs_h < hidden
+        ok_h = offs_h < h_hi
         xs = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * hidden + offs_h[None, :],
                      mask=ok_t[:, None] & ok_h[None, :], other=0.0)  # fmt: skip
         ws = tl.load(
@@ -72,9 +86,26 @@ def _route_kernel(
             acc += tl.dot(xs.to(tl.float32), ws.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(xs, ws)
+    rows = tl.program_id(1) * tl.num_programs(0) * BLOCK_T + offs_t
+    tl.store(partial_ptr + rows[:, None].to(tl.int64) * E_PAD + offs_e[None, :], acc)
+
+
+@triton.jit
+def _route_finish(
+    partial_ptr, b_ptr, x_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, k, splits,
+    HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, E_PAD)
+    ok_t, ok_e = offs_t < num_tokens, offs_e < num_experts
+    acc = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+    for s in range(splits):  # in split order: the same logits whatever the timing
+        rows = s * tl.num_programs(0) * BLOCK_T + offs_t
+        acc += tl.load(partial_ptr + rows[:, None].to(tl.int64) * E_PAD + offs_e[None, :])
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_e, mask=ok_e, other=0.0).to(tl.float32)[None, :]
-    # the logits the GEMM would hand over, in the activations' dtype (top-k ties and softmax inputs alike)
+    # the logits the GEMM would hand over, in the activations' dtype (x_ptr: only for it; top-k ties and
+    # softmax inputs alike)
     logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     logits = tl.where(ok_e[None, :], logits, float("-inf"))
     offs_k = tl.arange(0, K_PAD)
