@@ -103,7 +103,9 @@ def test_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     taken = []
     for name in ("linear_fp8_gemv", "linear_fp8_triton"):
         fn = getattr(fp8_linear, name)
-        monkeypatch.setattr(fp8_linear, name, lambda *a, fn=fn, name=name: taken.append(name) or fn(*a))
+        monkeypatch.setattr(
+            fp8_linear, name, lambda *a, fn=fn, name=name, **kw: taken.append(name) or fn(*a, **kw)
+        )
     monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
     assert_matches(linear_fp8(x3, weight, scale, b), ref3)
     assert_matches(linear_fp8(x3[:1, :1], weight, scale, b), ref3[:1, :1])

@@ -70,7 +70,8 @@ def strip(programs_per_row_block: int, out: int, sms: int) -> tuple[int, int]:
 def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = None, groups: int | None = None,
                     x_in_asm: bool = False) -> torch.Tensor:  # fmt: skip
     """x [..., in] @ W^T (+ bias) -> [..., out] in x's dtype (linear_fp8's arguments), for few rows of x.
-    x_in_asm: one PTX block loads and dots each vector (bf16 x on the GPU; not measured yet)."""
+    x_in_asm: one PTX block loads and dots each vector (bf16 x on the GPU): on the H200 at one row k_proj
+    and v_proj took 0.0078 and 0.0074 ms against 0.0087 and 0.0084, q_proj and o_proj the same time."""
     check_fp8_weight(weight, scale_inv)
     out_features, in_features = weight.shape
     check(
