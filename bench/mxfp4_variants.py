@@ -8,7 +8,8 @@ the clamped SwiGLU, bf16 activations, at T = 1, 8, 64, 256, 1024, 4096 tokens it
     fused <mode> ...      tile modes of mxfp4_tile.MODES ("scaled": tl.dot_scaled on the packed bytes) with
                           the per-pair grid (slots=auto) and a few block shapes    (T <= 64, and T = 256)
     gemv bn.. g.. w..     mxfp4_gemv: a GEMV per pair on the CUDA cores (T <= 16); "x-in-asm": the PTX
-                          block loads the activations itself (no layout change); "stream-only" (T = 64):
+                          block loads the activations itself (no layout change); "mma": the tensor-core
+                          GEMV of mxfp4_mma.py (inline-PTX mma.sync); "stream-only" (T = 64):
                           its weight reads alone, no decode nor math (a ceiling for its access pattern)
     fused ... split-K k   K split over k programs per output block (partial sums, then a finishing pass)
     grouped baseline      moe_mxfp4_grouped in mode "split"; "grouped default": its defaults   (T >= 256)
@@ -76,7 +77,7 @@ GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX
 ] + [
     (f"gemv bn{n} g{g} w{w} split-K {k}", {"block_n": n, "groups": g, "num_warps": w, "splits": k})
     for n, g, w, k in ((16, 4, 2, 3), (4, 32, 4, 2))
-]  # fmt: skip
+] + [("gemv mma", {"mma": True})  # fmt: skip
 GEMV_MAX_T = 16
 GROUPED = [
     ("grouped baseline", {"mode": "split"}),

@@ -251,6 +251,15 @@ def _mxfp4_gemv() -> None:
     moe_mxfp4_gemv(*_mxfp4_layer(1), block_n=4, groups=32, x_in_asm=True)  # the default at one token
 
 
+@case("mxfp4_mma")
+def _mxfp4_mma() -> None:
+    """The tensor-core GEMV in inline PTX (mma.sync, its loop and labels): PTX that ptxas must accept."""
+    from minakv.ops.mxfp4_mma import moe_mxfp4_mma
+
+    moe_mxfp4_mma(*_mxfp4_layer(1))
+    moe_mxfp4_mma(*_mxfp4_layer(1, hidden=96, inter=160), sum_k=False)  # 3 and 5 groups: the tails
+
+
 @case("mxfp4_fused-split_k")
 def _mxfp4_fused_split_k() -> None:
     """Split-K: the kernels' partial-sum stores and the gate/up finishing kernel."""

@@ -294,6 +294,27 @@ def test_dequant_tile_is_exact_gpu(bf16: bool) -> None:
     check_halves_exact("cuda", bf16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t, e, h, i", [(1, 3, 96, 160), (3, 4, 256, 72 * 32), (1, 2, 2880, 2880)])
+def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
+    """The tensor-core GEMV (mxfp4_mma.py, inline PTX: GPU only) against float64 on the dequantized weights,
+    fp32 activations (cast to fp16 by it: exact for these inputs' range, so within fp32 summation error
+    of the reference): 3 and 5 groups (tails of the 4-group step and of the warps' shares, I = 160 rows
+    leaving a partial 16-row block), and gpt-oss's 90 groups."""
+    args, ref = case("swiglu_oai", t, e=e, h=h, i=i, seed=t + h)
+    args = [
+        a.cuda()
+        if isinstance(a, torch.Tensor)
+        else ({k: v.cuda() for k, v in a.items()} if isinstance(a, dict) else a)
+        for a in args
+    ]
+    parts = moe_mxfp4_gemv(*args, mma=True, sum_k=False)
+    assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
+    out = parts.sum(1).cpu()
+    torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
+
+
 def real_shape(tokens: int, e: int = 32, h: int = 2880, i: int = 2880, k: int = 4, seed: int = 0):
     """gpt-oss-20b's experts at `tokens`, random packed bytes with scales near 2^-7 (weights ~0.02)."""
     gen = torch.Generator("cuda").manual_seed(seed)
@@ -345,6 +366,7 @@ def test_real_shape_gpu(tokens: int) -> None:
     if tokens * 4 <= 32:  # the GEMV (what moe_mxfp4 takes here): its inline-PTX decode runs on the GPU only
         errs["mxfp4 gemv"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act))
         errs["mxfp4 gemv x in asm"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act, x_in_asm=True))
+        errs["mxfp4 gemv mma"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act, mma=True))
         errs["mxfp4 gemv split-K fp32"] = err(
             moe_mxfp4_gemv(x.float(), w, weights, ids, gub.float(), db.float(), *act, splits=3)
         )

@@ -1,0 +1,232 @@
+"""MXFP4 MoE for one token's pairs on the tensor cores, one warp per 16 weight rows, in inline PTX.
+
+The CUDA-core GEMV (mxfp4_gemv.py) spends ~6 instructions per weight (decode, widen to fp32, one FMA each
+weight), about as long as its reads take, so the two add up instead of overlapping (bench/RESULTS.md,
+"GEMVs for few pairs"). Here a warp hands 16 rows x 32 inputs (one MXFP4 group) to two `mma.sync` m16n8k16
+(fp16 operands, fp32 accumulation), whose 8 columns carry the pair's input in column 0 and zeros:
+
+    lane (g = lane / 4, t = lane % 4)  loads word t (8 codes) of the group in rows g and g + 8
+    decode  word --shift, mask--> 4 E4M3 bytes x 2 --cvt.rn.f16x2.e4m3x2--> fp16 pairs of FP4 * 2^-6
+            pairs (0, 2) (4, 6) | (1, 3) (5, 7): the A fragments of the two MMAs (inputs are summed, so
+            any order of k does, if the activations' B fragments follow it)
+    B       lanes of g = 0 load the pair's inputs for word t as fp16 in the same order (`pair_order`),
+            others hold zeros
+    C       a group's fp32 sums, times the rows' scales 2^(s - 127 + 6), added to the accumulators
+
+About 2.3 instructions per weight against ~6, exact: FP4 * 2^-6 is an fp16, products and sums are fp32.
+The activations go to fp16 (exact for |x| in [2^-14, 65504]; gate/up's h is clamped by the activation, the
+hidden state is RMS-normed), permuted once per call for gate/up, and written permuted by gate/up for down.
+The loads of the next group are issued before the current one is used. Opt-in (`mma=True` in
+`moe_mxfp4_gemv`) until measured; GPU only: the interpreter has no inline assembly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+
+WARPS = 4  # per program: they split the groups of the same 16 rows, then add their sums
+ROWS = 16  # weight rows per program
+
+UNROLL = 4  # groups a lane loads before it uses any: 4 x 10 bytes of weights and scales in flight per lane
+
+_DECODE = """shl.b32 t0, {w}, 2; shl.b32 t1, {w}, 4; and.b32 t1, t1, 0x80808080;
+lop3.b32 t2, t0, 0x1C1C1C1C, t1, 0xEA; mov.b32 {{h0, h1}}, t2;
+cvt.rn.f16x2.e4m3x2 {p0}, h0; cvt.rn.f16x2.e4m3x2 {p1}, h1;
+shr.b32 t0, {w}, 2; and.b32 t1, {w}, 0x80808080;
+lop3.b32 t2, t0, 0x1C1C1C1C, t1, 0xEA; mov.b32 {{h0, h1}}, t2;
+cvt.rn.f16x2.e4m3x2 {p2}, h0; cvt.rn.f16x2.e4m3x2 {p3}, h1;
+"""
+# group j of an unrolled step. The fast step (all UNROLL groups below the warp's end) loads without
+# predicates, so ptxas can issue every load before the first use; the tail step predicates on q{j}.
+_LOAD = """@{p}ld.global.nc.b32 wa{j}, [wpa+{w}]; @{p}ld.global.nc.u8 sa{j}, [spa+{s}];
+@{p}ld.global.nc.b32 wb{j}, [wpb+{w}]; @{p}ld.global.nc.u8 sb{j}, [spb+{s}];
+@{p}ld.global.nc.v4.b32 {{x0{j}, x1{j}, x2{j}, x3{j}}}, [xp+{x}];
+"""
+_MMA = """@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{a0, a1, a2, a3}}, {{x0{j}, x1{j}}}, {{z, z, z, z}};
+@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{b0, b1, b2, b3}}, {{x2{j}, x3{j}}}, {{c0, c1, c2, c3}};
+add.u32 sa{j}, sa{j}, 6; shl.b32 sa{j}, sa{j}, 23; mov.b32 fa, sa{j}; add.u32 sb{j}, sb{j}, 6; shl.b32 sb{j}, sb{j}, 23;
+mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e2, c2, fb, e2;
+"""
+
+
+def _step(tail: bool) -> str:
+    """One unrolled step of UNROLL groups: loads, then decode and MMAs (tail: each group predicated)."""
+    out = ""
+    for j in range(UNROLL):
+        p = f"q{j} " if tail else "qt "  # qt: always true
+        if tail:
+            out += f"add.s32 n{j}, n, {j}; setp.lt.s32 q{j}, n{j}, hi;\n"
+        out += _LOAD.format(j=j, p=p, w=16 * j, s=j, x=64 * j)
+    for j in range(UNROLL):
+        p = f"q{j} " if tail else "qt "
+        out += _DECODE.format(w=f"wa{j}", p0="a0", p1="a2", p2="b0", p3="b2")
+        out += _DECODE.format(w=f"wb{j}", p0="a1", p1="a3", p2="b1", p3="b3")
+        out += _MMA.format(j=j, p=p)
+    return out
+
+
+_REGS = "".join(
+    f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
+    for j in range(UNROLL)
+)
+# Per lane (one element per thread): $0 local row of its first output (-1: it holds no column-0 output),
+# $1 / $2 its warp's partial sums of rows r and r + 8 over the warp's share of the groups; $3 first row's
+# bytes, $4 its scales, $5 the pair's fp16 inputs (pair order), $6 / $7 bytes per row of blocks / scales,
+# $8 groups, $9 rows left from the first, $10 groups per warp. Rows past the last read the last row (their
+# sums are not stored); lanes of columns other than 0 read the same inputs (their sums are not used).
+MMA_ROWS_PTX = tl.constexpr(
+    """{
+.reg .pred qt, qe;
+.reg .b32 tid, lane, warp, g, t, ra, rb, la, lb, n, hi, t0, t1, t2, a0, a1, a2, a3, b0, b1, b2, b3, z;
+.reg .b16 h0, h1;
+.reg .b64 wpa, wpb, spa, spb, xp, o;
+.reg .f32 c0, c1, c2, c3, e0, e2, fa, fb;
+"""
+    + _REGS
+    + """mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
+mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $9, 1; min.s32 la, la, ra; sub.s32 lb, $9, 1; min.s32 lb, lb, rb;
+setp.eq.u32 qt, g, g;
+mul.lo.u32 n, warp, $10; add.u32 hi, n, $10; min.s32 hi, hi, $8;
+mul.wide.u32 o, la, $6; add.s64 wpa, $3, o; mul.wide.u32 o, lb, $6; add.s64 wpb, $3, o;
+mul.wide.u32 o, n, 16; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
+mul.wide.u32 o, t, 4; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
+mul.wide.u32 o, la, $7; add.s64 spa, $4, o; mul.wide.u32 o, lb, $7; add.s64 spb, $4, o;
+cvt.u64.u32 o, n; add.s64 spa, spa, o; add.s64 spb, spb, o;
+mul.wide.u32 o, t, 16; add.s64 xp, $5, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
+mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e2, 0f00000000;
+LOOP${:uid}:
+"""
+    + f"""add.s32 n0, n, {UNROLL}; setp.gt.s32 qe, n0, hi;
+@qe bra.uni TAIL${{:uid}};
+"""
+    + _step(tail=False)
+    + f"""add.s32 n, n, {UNROLL}; add.s64 wpa, wpa, {16 * UNROLL}; add.s64 wpb, wpb, {16 * UNROLL};
+add.s64 spa, spa, {UNROLL}; add.s64 spb, spb, {UNROLL}; add.s64 xp, xp, {64 * UNROLL};
+bra.uni LOOP${{:uid}};
+TAIL${{:uid}}:
+setp.lt.s32 qe, n, hi;
+@!qe bra.uni DONE${{:uid}};
+"""
+    + _step(tail=True)
+    + """DONE${:uid}:
+setp.eq.u32 qe, t, 0;
+selp.b32 $0, ra, -1, qe;
+mov.b32 $1, e0; mov.b32 $2, e2;
+}"""
+)
+
+
+def pair_order(x: torch.Tensor) -> torch.Tensor:
+    """[T, K] activations -> fp16 [T, K] in the order the MMA's B fragments read them: within each 8 inputs
+    (one packed word) 0 2 4 6 1 3 5 7."""
+    t, k = x.shape
+    return x.view(t, k // 8, 4, 2).transpose(-1, -2).to(torch.float16).contiguous().view(t, k)
+
+
+@triton.jit
+def _mma_rows(w_row0, s_row0, x_row, stride_bn, stride_sn, num_groups, rows_left):
+    """This program's 16 rows: (row r of each lane (-1: none), the sums of rows r and r + 8), [32] each, the
+    work in MMA_ROWS_PTX. One element per thread, so lane l of warp w is element 32 w + l: the warps' partial
+    sums are added along the first axis."""
+    lanes = tl.arange(0, 32 * 4)
+    zero = lanes.to(tl.int64) * 0
+    per_warp = (num_groups + 3) // 4
+    row, sa, sb = tl.inline_asm_elementwise(
+        MMA_ROWS_PTX, "=r,=r,=r,l,l,l,r,r,r,r,r",
+        [zero + w_row0.to(tl.int64), zero + s_row0.to(tl.int64), zero + x_row.to(tl.int64),
+         (zero + stride_bn).to(tl.int32), (zero + stride_sn).to(tl.int32), (zero + num_groups).to(tl.int32),
+         (zero + rows_left).to(tl.int32), (zero + per_warp).to(tl.int32)],
+        dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1,
+    )  # fmt: skip
+    row = tl.max(tl.reshape(row, (4, 32)), 0)  # the same in every warp
+    return row, tl.sum(tl.reshape(sa, (4, 32)), 0), tl.sum(tl.reshape(sb, (4, 32)), 0)
+
+
+@triton.jit
+def _gate_up_mma(
+    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha,
+    stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    row0 = tl.program_id(1) * 16
+    w0 = wb_ptr + expert * stride_be + row0 * stride_bn
+    s0 = ws_ptr + expert * stride_se + row0 * stride_sn
+    x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
+    row, g_a, g_b = _mma_rows(w0, s0, x_row, stride_bn, stride_sn, H // 32, I - row0)
+    _, u_a, u_b = _mma_rows(
+        w0 + I * stride_bn, s0 + I * stride_sn, x_row, stride_bn, stride_sn, H // 32, I - row0
+    )
+    h_row = h_ptr + pair.to(tl.int64) * stride_h
+    for half in tl.static_range(2):
+        n = row0 + row + 8 * half
+        ok = (row >= 0) & (n < I)
+        gate = g_a if half == 0 else g_b
+        up = u_a if half == 0 else u_b
+        if HAS_BIAS:
+            bias_row = b_ptr + expert * stride_bias
+            gate += tl.load(bias_row + n, mask=ok, other=0.0).to(tl.float32)
+            up += tl.load(bias_row + I + n, mask=ok, other=0.0).to(tl.float32)
+        act = activate_tile(gate, up, limit, alpha, ACT)
+        # h in pair order for down's B fragments: input 8j + m goes to 8j + m // 2 + 4 (m % 2)
+        dest = (n // 8) * 8 + (n % 8) // 2 + 4 * (n % 2)
+        tl.store(h_row + dest, act.to(tl.float16), mask=ok)
+
+
+@triton.jit
+def _down_mma(
+    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H,
+    stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    row0 = tl.program_id(1) * 16
+    w0 = wb_ptr + expert * stride_be + row0 * stride_bn
+    s0 = ws_ptr + expert * stride_se + row0 * stride_sn
+    row, y_a, y_b = _mma_rows(
+        w0, s0, h_ptr + pair.to(tl.int64) * stride_h, stride_bn, stride_sn, I // 32, H - row0
+    )
+    weight = tl.load(weights_ptr + pair)
+    y_row = y_ptr + pair.to(tl.int64) * stride_y
+    for half in tl.static_range(2):
+        n = row0 + row + 8 * half
+        ok = (row >= 0) & (n < H)
+        out = y_a if half == 0 else y_b
+        if HAS_BIAS:
+            out += tl.load(b_ptr + expert * stride_bias + n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_row + n, out * weight, mask=ok)
+
+
+def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
+                  limit=7.0, alpha=1.702, *, sum_k: bool = True) -> torch.Tensor:  # fmt: skip
+    """`moe_mxfp4_gemv`'s result (its first arguments) from the tensor-core GEMV above (CUDA only)."""
+    num_tokens, k = topk_ids.shape
+    num_pairs = num_tokens * k
+    hidden = x.shape[1]
+    gub, gus, db, ds = (w[key] for key in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"))
+    inter = gub.shape[1] // 2
+    ids = topk_ids.reshape(-1).contiguous()
+    dummy = ids
+    x16 = pair_order(x)
+    h = torch.empty(num_pairs, inter, dtype=torch.float16, device=x.device)
+    _gate_up_mma[(num_pairs, triton.cdiv(inter, ROWS))](
+        x16, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h, hidden, inter, k,
+        float(limit), float(alpha), x16.stride(0), gub.stride(0), gub.stride(1), gus.stride(0), gus.stride(1),
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
+        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], num_warps=WARPS,
+    )  # fmt: skip
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _down_mma[(num_pairs, triton.cdiv(hidden, ROWS))](
+        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden, h.stride(0),
+        db.stride(0), db.stride(1), ds.stride(0), ds.stride(1), down_bias.stride(0) if down_bias is not None else 0,
+        y.stride(0), HAS_BIAS=down_bias is not None, num_warps=WARPS,
+    )  # fmt: skip
+    if not sum_k:
+        return y.view(num_tokens, k, hidden)
+    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
