@@ -77,7 +77,7 @@ GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX
 ] + [
     (f"gemv bn{n} g{g} w{w} split-K {k}", {"block_n": n, "groups": g, "num_warps": w, "splits": k})
     for n, g, w, k in ((16, 4, 2, 3), (4, 32, 4, 2))
-] + [("gemv mma", {"mma": True})  # fmt: skip
+] + [("gemv mma", {"mma": True})]  # fmt: skip
 GEMV_MAX_T = 16
 GROUPED = [
     ("grouped baseline", {"mode": "split"}),
