@@ -8,8 +8,9 @@ the clamped SwiGLU, bf16 activations, at T = 1, 8, 64, 256, 1024, 4096 tokens it
     fused <mode> ...      tile modes of mxfp4_tile.MODES ("scaled": tl.dot_scaled on the packed bytes) with
                           the per-pair grid (slots=auto) and a few block shapes    (T <= 64, and T = 256)
     gemv bn.. g.. w..     mxfp4_gemv: a GEMV per pair on the CUDA cores (T <= 16); "x-in-asm": the PTX
-                          block loads the activations itself (no layout change); "mma": the tensor-core
-                          GEMV of mxfp4_mma.py (inline-PTX mma.sync); "stream-only" (T = 64):
+                          block loads the activations itself (no layout change); "mma u4/u8": the
+                          tensor-core GEMV of mxfp4_mma.py (inline-PTX mma.sync), 4 or 8 groups a step;
+                          "stream-only" (T = 64):
                           its weight reads alone, no decode nor math (a ceiling for its access pattern)
     fused ... split-K k   K split over k programs per output block (partial sums, then a finishing pass)
     grouped baseline      moe_mxfp4_grouped in mode "split"; "grouped default": its defaults   (T >= 256)
@@ -48,6 +49,7 @@ from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, moe_loop
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
+from minakv.ops.mxfp4_mma import moe_mxfp4_mma
 from minakv.ops.mxfp4_moe import moe_mxfp4_fused
 
 TOKENS = (1, 8, 64, 256, 1024, 4096)
@@ -77,7 +79,8 @@ GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX
 ] + [
     (f"gemv bn{n} g{g} w{w} split-K {k}", {"block_n": n, "groups": g, "num_warps": w, "splits": k})
     for n, g, w, k in ((16, 4, 2, 3), (4, 32, 4, 2))
-] + [("gemv mma", {"mma": True})]  # fmt: skip
+]  # fmt: skip
+MMA = [("gemv mma u4", {"unroll": 4}), ("gemv mma u8", {"unroll": 8})]  # the tensor-core GEMV (mxfp4_mma.py)
 GEMV_MAX_T = 16
 GROUPED = [
     ("grouped baseline", {"mode": "split"}),
@@ -156,6 +159,7 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
         out.append(("bf16 fused", lambda: moe_fused(*bf16_args), False))
     if tokens <= GEMV_MAX_T:
         out += [(name, lambda kw=kw: moe_mxfp4_gemv(*args, **kw), True) for name, kw in GEMV]
+        out += [(name, lambda kw=kw: moe_mxfp4_mma(*args, **kw), True) for name, kw in MMA]
     elif tokens <= DECODE_MAX_T:  # beyond, the GEMV's reads alone
         out += [(f"gemv stream-only bn{n} g{g} w{wp}", lambda n=n, g=g, wp=wp: stream(args[1], args[3], n, g, wp),
                  True) for n, g, wp in STREAM]  # fmt: skip

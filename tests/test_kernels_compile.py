@@ -257,7 +257,7 @@ def _mxfp4_mma() -> None:
     from minakv.ops.mxfp4_mma import moe_mxfp4_mma
 
     moe_mxfp4_mma(*_mxfp4_layer(1))
-    moe_mxfp4_mma(*_mxfp4_layer(1, hidden=96, inter=160), sum_k=False)  # 3 and 5 groups: the tails
+    moe_mxfp4_mma(*_mxfp4_layer(1, hidden=96, inter=160), sum_k=False, unroll=8)  # 3 and 5 groups: tails
 
 
 @case("mxfp4_fused-split_k")

@@ -294,10 +294,22 @@ def test_dequant_tile_is_exact_gpu(bf16: bool) -> None:
     check_halves_exact("cuda", bf16)
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pair_order(dtype: torch.dtype) -> None:
+    """The tensor-core GEMV's activations: fp16, inputs 0 2 4 6 1 3 5 7 of each 8, saturated at fp16's max."""
+    from minakv.ops.mxfp4_mma import pair_order
+
+    x = torch.randn(3, 2880).to(dtype)
+    x[0, 5], x[2, 7] = 1e6, -1e6
+    ref = x.float().view(3, 360, 4, 2).transpose(-1, -2).clamp(-65504, 65504).half().reshape(3, 2880)
+    assert torch.equal(pair_order(x), ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t, e, h, i", [(1, 3, 96, 160), (3, 4, 256, 72 * 32), (1, 2, 2880, 2880)])
-def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
+def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:  # (either unroll)
     """The tensor-core GEMV (mxfp4_mma.py, inline PTX: GPU only) against float64 on the dequantized weights,
     fp32 activations (cast to fp16 by it: exact for these inputs' range, so within fp32 summation error
     of the reference): 3 and 5 groups (tails of the 4-group step and of the warps' shares, I = 160 rows
@@ -309,10 +321,13 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
         else ({k: v.cuda() for k, v in a.items()} if isinstance(a, dict) else a)
         for a in args
     ]
-    parts = moe_mxfp4_gemv(*args, mma=True, sum_k=False)
-    assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
-    out = parts.sum(1).cpu()
-    torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
+    from minakv.ops.mxfp4_mma import moe_mxfp4_mma
+
+    for unroll in (4, 8):
+        parts = moe_mxfp4_mma(*args, sum_k=False, unroll=unroll)
+        assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
+        out = parts.sum(1).cpu()
+        torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
 
 
 def real_shape(tokens: int, e: int = 32, h: int = 2880, i: int = 2880, k: int = 4, seed: int = 0):

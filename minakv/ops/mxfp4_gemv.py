@@ -49,7 +49,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     x_in_asm: the PTX block loads each word's inputs itself (bf16 activations on the GPU): 8% faster at one
     token's pairs with 4 x 32 strips, no gain elsewhere (mxfp4_moe.gemv_config). Rows in expert order (so
     that an expert's repeat reads hit L2) were tried and lost at 1, 8 and 64 tokens (bench/RESULTS.md).
-    mma: the tensor-core GEMV of mxfp4_mma.py instead (compiled runs only; not measured yet)."""
+    mma: the tensor-core GEMV of mxfp4_mma.py instead (compiled runs only; mxfp4_moe.gemv_config)."""
     _, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     if mma and not interpreting():
         return moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha,

@@ -3,7 +3,9 @@
 The CUDA-core GEMV (mxfp4_gemv.py) spends ~6 instructions per weight (decode, widen to fp32, one FMA each
 weight), about as long as its reads take, so the two add up instead of overlapping (bench/RESULTS.md,
 "GEMVs for few pairs"). Here a warp hands 16 rows x 32 inputs (one MXFP4 group) to two `mma.sync` m16n8k16
-(fp16 operands, fp32 accumulation), whose 8 columns carry the pair's input in column 0 and zeros:
+(fp16 operands, fp32 accumulation), whose 8 columns carry the pair's input in column 0 (the others'
+results are not used). A program's 4 warps take 16 rows: for down, a quarter of the groups each; for
+gate/up, warps 0-1 the gate rows and 2-3 the up rows, half of the groups each (so both are in flight):
 
     lane (g = lane / 4, t = lane % 4)  loads word t (8 codes) of the group in rows g and g + 8
     decode  word --shift, mask--> 4 E4M3 bytes x 2 --cvt.rn.f16x2.e4m3x2--> fp16 pairs of FP4 * 2^-6
@@ -28,10 +30,12 @@ import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
 
-WARPS = 4  # per program: they split the groups of the same 16 rows, then add their sums
+WARPS = tl.constexpr(4)  # per program: they split the groups of the same 16 rows, then add their sums
 ROWS = 16  # weight rows per program
 
-UNROLL = 4  # groups a lane loads before it uses any: 4 x 10 bytes of weights and scales in flight per lane
+# groups a lane loads before it uses any (10 bytes of weights and scales each): 4 (60 registers, 8 programs
+# per SM) or 8 (102 registers, 5 per SM)
+
 
 _DECODE = """shl.b32 t0, {w}, 2; shl.b32 t1, {w}, 4; and.b32 t1, t1, 0x80808080;
 lop3.b32 t2, t0, 0x1C1C1C1C, t1, 0xEA; mov.b32 {{h0, h1}}, t2;
@@ -53,15 +57,15 @@ mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e2, c2, fb, e2;
 """
 
 
-def _step(tail: bool) -> str:
-    """One unrolled step of UNROLL groups: loads, then decode and MMAs (tail: each group predicated)."""
+def _step(unroll: int, tail: bool) -> str:
+    """One unrolled step of `unroll` groups: loads, then decode and MMAs (tail: each group predicated)."""
     out = ""
-    for j in range(UNROLL):
+    for j in range(unroll):
         p = f"q{j} " if tail else "qt "  # qt: always true
         if tail:
             out += f"add.s32 n{j}, n, {j}; setp.lt.s32 q{j}, n{j}, hi;\n"
         out += _LOAD.format(j=j, p=p, w=16 * j, s=j, x=64 * j)
-    for j in range(UNROLL):
+    for j in range(unroll):
         p = f"q{j} " if tail else "qt "
         out += _DECODE.format(w=f"wa{j}", p0="a0", p1="a2", p2="b0", p3="b2")
         out += _DECODE.format(w=f"wb{j}", p0="a1", p1="a3", p2="b1", p3="b3")
@@ -69,28 +73,25 @@ def _step(tail: bool) -> str:
     return out
 
 
-_REGS = "".join(
-    f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
-    for j in range(UNROLL)
-)
-# Per lane (one element per thread): $0 local row of its first output (-1: it holds no column-0 output),
-# $1 / $2 its warp's partial sums of rows r and r + 8 over the warp's share of the groups; $3 first row's
-# bytes, $4 its scales, $5 the pair's fp16 inputs (pair order), $6 / $7 bytes per row of blocks / scales,
-# $8 groups, $9 rows left from the first, $10 groups per warp. Rows past the last read the last row (their
-# sums are not stored); lanes of columns other than 0 read the same inputs (their sums are not used).
-MMA_ROWS_PTX = tl.constexpr(
-    """{
+def _mma_rows_ptx(unroll: int) -> str:
+    """The PTX of one lane's work (operands above), `unroll` groups a step."""
+    regs = "".join(
+        f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
+        for j in range(unroll)
+    )
+    return (
+        """{
 .reg .pred qt, qe;
 .reg .b32 tid, lane, warp, g, t, ra, rb, la, lb, n, hi, t0, t1, t2, a0, a1, a2, a3, b0, b1, b2, b3, z;
 .reg .b16 h0, h1;
 .reg .b64 wpa, wpb, spa, spb, xp, o;
 .reg .f32 c0, c1, c2, c3, e0, e2, fa, fb;
 """
-    + _REGS
-    + """mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
+        + regs
+        + """mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
 mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $9, 1; min.s32 la, la, ra; sub.s32 lb, $9, 1; min.s32 lb, lb, rb;
 setp.eq.u32 qt, g, g;
-mul.lo.u32 n, warp, $10; add.u32 hi, n, $10; min.s32 hi, hi, $8;
+rem.u32 n, warp, $11; mul.lo.u32 n, n, $10; add.u32 hi, n, $10; min.s32 hi, hi, $8;
 mul.wide.u32 o, la, $6; add.s64 wpa, $3, o; mul.wide.u32 o, lb, $6; add.s64 wpb, $3, o;
 mul.wide.u32 o, n, 16; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
 mul.wide.u32 o, t, 4; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
@@ -100,57 +101,83 @@ mul.wide.u32 o, t, 16; add.s64 xp, $5, o; mul.wide.u32 o, n, 64; add.s64 xp, xp,
 mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e2, 0f00000000;
 LOOP${:uid}:
 """
-    + f"""add.s32 n0, n, {UNROLL}; setp.gt.s32 qe, n0, hi;
+        + f"""add.s32 n0, n, {unroll}; setp.gt.s32 qe, n0, hi;
 @qe bra.uni TAIL${{:uid}};
 """
-    + _step(tail=False)
-    + f"""add.s32 n, n, {UNROLL}; add.s64 wpa, wpa, {16 * UNROLL}; add.s64 wpb, wpb, {16 * UNROLL};
-add.s64 spa, spa, {UNROLL}; add.s64 spb, spb, {UNROLL}; add.s64 xp, xp, {64 * UNROLL};
+        + _step(unroll, tail=False)
+        + f"""add.s32 n, n, {unroll}; add.s64 wpa, wpa, {16 * unroll}; add.s64 wpb, wpb, {16 * unroll};
+add.s64 spa, spa, {unroll}; add.s64 spb, spb, {unroll}; add.s64 xp, xp, {64 * unroll};
 bra.uni LOOP${{:uid}};
 TAIL${{:uid}}:
 setp.lt.s32 qe, n, hi;
 @!qe bra.uni DONE${{:uid}};
 """
-    + _step(tail=True)
-    + """DONE${:uid}:
+        + _step(unroll, tail=True)
+        + """DONE${:uid}:
 setp.eq.u32 qe, t, 0;
 selp.b32 $0, ra, -1, qe;
 mov.b32 $1, e0; mov.b32 $2, e2;
 }"""
-)
+    )
+
+
+MMA_ROWS_U4 = tl.constexpr(_mma_rows_ptx(4))
+MMA_ROWS_U8 = tl.constexpr(_mma_rows_ptx(8))
 
 
 def pair_order(x: torch.Tensor) -> torch.Tensor:
     """[T, K] activations -> fp16 [T, K] in the order the MMA's B fragments read them: within each 8 inputs
-    (one packed word) 0 2 4 6 1 3 5 7."""
+    (one packed word) 0 2 4 6 1 3 5 7. Values beyond fp16's range saturate at +-65504 (one launch)."""
     t, k = x.shape
-    return x.view(t, k // 8, 4, 2).transpose(-1, -2).to(torch.float16).contiguous().view(t, k)
+    out = torch.empty(t, k, dtype=torch.float16, device=x.device)
+    _pair_order_kernel[(t, triton.cdiv(k, 1024))](x, out, k, x.stride(0), BLOCK=1024)
+    return out
 
 
 @triton.jit
-def _mma_rows(w_row0, s_row0, x_row, stride_bn, stride_sn, num_groups, rows_left):
-    """This program's 16 rows: (row r of each lane (-1: none), the sums of rows r and r + 8), [32] each, the
-    work in MMA_ROWS_PTX. One element per thread, so lane l of warp w is element 32 w + l: the warps' partial
-    sums are added along the first axis."""
-    lanes = tl.arange(0, 32 * 4)
-    zero = lanes.to(tl.int64) * 0
-    per_warp = (num_groups + 3) // 4
+def _pair_order_kernel(x_ptr, out_ptr, K, stride_x, BLOCK: tl.constexpr):
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # destination: input 8j + m comes from 8j + src
+    m = offs % 8
+    src = offs - m + (m % 4) * 2 + m // 4
+    v = tl.load(x_ptr + tl.program_id(0).to(tl.int64) * stride_x + src, mask=offs < K, other=0.0)
+    v = tl.minimum(tl.maximum(v.to(tl.float32), -65504.0), 65504.0)
+    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * K + offs, v.to(tl.float16), mask=offs < K)
+
+
+@triton.jit
+def _mma_rows(
+    w_rows,
+    s_rows,
+    x_row,
+    stride_bn,
+    stride_sn,
+    num_groups,
+    rows_left,
+    SETS: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """The work of MMA_ROWS_U4/U8 for this program's warps: (row r of each lane (-1: none), [WARPS, 32] partial
+    sums of rows r and r + 8). w_rows / s_rows: [32 * WARPS] first-row pointers, one per thread; the warps
+    form SETS row sets (warps w, w + 1, ... of a set split its groups). One element per thread, so lane l
+    of warp w is element 32 w + l."""
+    zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
+    per_warp = tl.cdiv(num_groups, WARPS // SETS)
     row, sa, sb = tl.inline_asm_elementwise(
-        MMA_ROWS_PTX, "=r,=r,=r,l,l,l,r,r,r,r,r",
-        [zero + w_row0.to(tl.int64), zero + s_row0.to(tl.int64), zero + x_row.to(tl.int64),
+        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,l,l,l,r,r,r,r,r,r",
+        [w_rows.to(tl.int64), s_rows.to(tl.int64), zero + x_row.to(tl.int64),
          (zero + stride_bn).to(tl.int32), (zero + stride_sn).to(tl.int32), (zero + num_groups).to(tl.int32),
-         (zero + rows_left).to(tl.int32), (zero + per_warp).to(tl.int32)],
+         (zero + rows_left).to(tl.int32), (zero + per_warp).to(tl.int32), (zero + WARPS // SETS).to(tl.int32)],
         dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1,
     )  # fmt: skip
-    row = tl.max(tl.reshape(row, (4, 32)), 0)  # the same in every warp
-    return row, tl.sum(tl.reshape(sa, (4, 32)), 0), tl.sum(tl.reshape(sb, (4, 32)), 0)
+    row = tl.max(tl.reshape(row, (WARPS, 32)), 0)  # the same in every warp
+    return row, tl.reshape(sa, (WARPS, 32)), tl.reshape(sb, (WARPS, 32))
 
 
 @triton.jit
 def _gate_up_mma(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -158,10 +185,16 @@ def _gate_up_mma(
     w0 = wb_ptr + expert * stride_be + row0 * stride_bn
     s0 = ws_ptr + expert * stride_se + row0 * stride_sn
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
-    row, g_a, g_b = _mma_rows(w0, s0, x_row, stride_bn, stride_sn, H // 32, I - row0)
-    _, u_a, u_b = _mma_rows(
-        w0 + I * stride_bn, s0 + I * stride_sn, x_row, stride_bn, stride_sn, H // 32, I - row0
+    # warps 0, 1: the gate rows n, each half of the groups; warps 2, 3: the up rows I + n
+    up = tl.arange(0, 32 * WARPS) >= 16 * WARPS
+    w_rows = tl.where(up, w0 + I * stride_bn, w0)
+    s_rows = tl.where(up, s0 + I * stride_sn, s0)
+    row, sum_a, sum_b = _mma_rows(
+        w_rows, s_rows, x_row, stride_bn, stride_sn, H // 32, I - row0, SETS=2, UNROLL=UNROLL
     )
+    is_up = tl.arange(0, WARPS)[:, None] >= WARPS // 2
+    g_a, u_a = tl.sum(tl.where(is_up, 0.0, sum_a), 0), tl.sum(tl.where(is_up, sum_a, 0.0), 0)
+    g_b, u_b = tl.sum(tl.where(is_up, 0.0, sum_b), 0), tl.sum(tl.where(is_up, sum_b, 0.0), 0)
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     for half in tl.static_range(2):
         n = row0 + row + 8 * half
@@ -182,15 +215,19 @@ def _gate_up_mma(
 def _down_mma(
     h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y, HAS_BIAS: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     row0 = tl.program_id(1) * 16
     w0 = wb_ptr + expert * stride_be + row0 * stride_bn
     s0 = ws_ptr + expert * stride_se + row0 * stride_sn
-    row, y_a, y_b = _mma_rows(
-        w0, s0, h_ptr + pair.to(tl.int64) * stride_h, stride_bn, stride_sn, I // 32, H - row0
+    zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
+    h_row = h_ptr + pair.to(tl.int64) * stride_h
+    row, sum_a, sum_b = _mma_rows(
+        w0 + zero, s0 + zero, h_row, stride_bn, stride_sn, I // 32, H - row0, SETS=1, UNROLL=UNROLL
     )
+    y_a, y_b = tl.sum(sum_a, 0), tl.sum(sum_b, 0)
     weight = tl.load(weights_ptr + pair)
     y_row = y_ptr + pair.to(tl.int64) * stride_y
     for half in tl.static_range(2):
@@ -203,7 +240,7 @@ def _down_mma(
 
 
 def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
-                  limit=7.0, alpha=1.702, *, sum_k: bool = True) -> torch.Tensor:  # fmt: skip
+                  limit=7.0, alpha=1.702, *, sum_k: bool = True, unroll: int = 4) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments) from the tensor-core GEMV above (CUDA only)."""
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
@@ -218,14 +255,14 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         x16, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h, hidden, inter, k,
         float(limit), float(alpha), x16.stride(0), gub.stride(0), gub.stride(1), gus.stride(0), gus.stride(1),
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
-        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], num_warps=WARPS,
+        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], num_warps=WARPS.value, UNROLL=unroll,
     )  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_mma[(num_pairs, triton.cdiv(hidden, ROWS))](
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden, h.stride(0),
         db.stride(0), db.stride(1), ds.stride(0), ds.stride(1), down_bias.stride(0) if down_bias is not None else 0,
-        y.stride(0), HAS_BIAS=down_bias is not None, num_warps=WARPS,
+        y.stride(0), HAS_BIAS=down_bias is not None, num_warps=WARPS.value, UNROLL=unroll,
     )  # fmt: skip
     if not sum_k:
         return y.view(num_tokens, k, hidden)

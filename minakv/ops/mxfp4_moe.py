@@ -81,12 +81,13 @@ def moe_mxfp4(
 
 
 def gemv_config(num_pairs: int) -> dict:
-    """The GEMV's block settings, measured on the H200 at gpt-oss's shapes (bench/RESULTS.md, "GEMVs for few
-    pairs"): at one token's pairs, long strips of 4 rows x 32 groups with the inputs loaded by the PTX block
-    (8% faster than the 16 x 8 strips); beyond, 16 rows x 4 groups on 2 warps (7% faster at 8 tokens)."""
+    """The GEMV's settings, measured on the H200 at gpt-oss's shapes (bench/RESULTS.md, "GEMVs for few
+    pairs"): the tensor-core GEMV (mxfp4_mma.py), 0.052 / 0.115 / 0.183 ms at 1 / 4 / 8 tokens (20b) against
+    0.054 / 0.146 / 0.254 for the best CUDA-core strips. Those strips stay for the interpreter: 4 rows x 32
+    groups at one token's pairs, 16 x 4 on 2 warps beyond."""
     if num_pairs <= 4:
-        return {"block_n": 4, "groups": 32, "num_warps": 4, "x_in_asm": True}
-    return {"block_n": 16, "groups": 4, "num_warps": 2}
+        return {"block_n": 4, "groups": 32, "num_warps": 4, "x_in_asm": True, "mma": True}
+    return {"block_n": 16, "groups": 4, "num_warps": 2, "mma": True}
 
 
 def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
