@@ -80,7 +80,10 @@ GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX
     (f"gemv bn{n} g{g} w{w} split-K {k}", {"block_n": n, "groups": g, "num_warps": w, "splits": k})
     for n, g, w, k in ((16, 4, 2, 3), (4, 32, 4, 2))
 ]  # fmt: skip
-MMA = [("gemv mma u4", {"unroll": 4}), ("gemv mma u8", {"unroll": 8})]  # the tensor-core GEMV (mxfp4_mma.py)
+MMA = [  # the tensor-core GEMV (mxfp4_mma.py): groups a step, split-K for gate/up and down
+    (f"gemv mma u{u} split {a},{b}", {"unroll": u, "splits": (a, b)})
+    for u, a, b in ((4, 1, 1), (8, 1, 1), (4, 2, 2), (4, 2, 4), (4, 3, 3), (8, 2, 2))
+]
 GEMV_MAX_T = 16
 GROUPED = [
     ("grouped baseline", {"mode": "split"}),

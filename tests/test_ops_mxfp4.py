@@ -309,7 +309,7 @@ def test_pair_order(dtype: torch.dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t, e, h, i", [(1, 3, 96, 160), (3, 4, 256, 72 * 32), (1, 2, 2880, 2880)])
-def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:  # (either unroll)
+def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:  # (unrolls, split-K)
     """The tensor-core GEMV (mxfp4_mma.py, inline PTX: GPU only) against float64 on the dequantized weights,
     fp32 activations (cast to fp16 by it: exact for these inputs' range, so within fp32 summation error
     of the reference): 3 and 5 groups (tails of the 4-group step and of the warps' shares, I = 160 rows
@@ -323,9 +323,9 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:  # (either unroll
     ]
     from minakv.ops.mxfp4_mma import moe_mxfp4_mma
 
-    for unroll in (4, 8):
-        parts = moe_mxfp4_mma(*args, sum_k=False, unroll=unroll)
-        assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
+    for unroll, splits in ((4, (1, 1)), (8, (2, 3)), (4, (3, 4))):  # split-K 4 over 5 groups: one split empty
+        parts = moe_mxfp4_mma(*args, sum_k=False, unroll=unroll, splits=splits)
+        assert parts.shape == (t, 2 * splits[1], h) and parts.dtype == torch.float32
         out = parts.sum(1).cpu()
         torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
 

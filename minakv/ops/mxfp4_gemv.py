@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
-from minakv.ops.mxfp4_mma import moe_mxfp4_mma
+from minakv.ops.mxfp4_mma import moe_mxfp4_mma, pair_position
 from minakv.ops.mxfp4_ptx import dot8, dot8_load
 from minakv.ops.mxfp4_tile import packed_shapes
 from minakv.ops.triton_util import interpreting, ptx_loads_ok
@@ -76,7 +76,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
         ACT=ACTIVATIONS[activation], **meta,
     )  # fmt: skip
     if splits > 1:
-        finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, split_cols=False)
+        finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, cols=0)
     # down: row pair * splits + s holds split s's part, so the parts of a token stay together
     y = torch.empty(num_pairs * splits, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -92,14 +92,14 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
 
 
 def finish_gate_up(partial: torch.Tensor, gate_up_bias: torch.Tensor | None, ids: torch.Tensor, h: torch.Tensor,
-                   activation: str, limit: float, alpha: float, split_cols: bool) -> None:  # fmt: skip
-    """Split-K's end for gate/up (here and in mxfp4_moe.py): `gate_up_finish` over the fp32 partials
-    [splits, pairs, gate I | up I] -> h [pairs, I]."""
+                   activation: str, limit: float, alpha: float, cols: int) -> None:  # fmt: skip
+    """Split-K's end for gate/up (here, in mxfp4_moe.py and mxfp4_mma.py): `gate_up_finish` over the fp32
+    partials [splits, pairs, gate I | up I] -> h [pairs, I], its columns in the order `cols` (see there)."""
     splits, num_pairs, two_i = partial.shape
     gate_up_finish[(num_pairs, triton.cdiv(two_i // 2, 256))](
         partial, gate_up_bias if gate_up_bias is not None else ids, ids, h, num_pairs, two_i // 2, float(limit),
         float(alpha), gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
-        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], SPLIT_COLS=split_cols, SPLITS=splits,
+        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], COLS=cols, SPLITS=splits,
         BLOCK=256,
     )  # fmt: skip
 
@@ -254,12 +254,13 @@ def _down_gemv(
 @triton.jit
 def gate_up_finish(
     p_ptr, b_ptr, ids_ptr, h_ptr, num_pairs, I, limit, alpha, stride_bias, stride_h,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SPLIT_COLS: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, COLS: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Split-K's end for gate/up (this module's and mxfp4_moe's): sum the fp32 partials [splits, pairs,
-    gate I | up I] of one pair's columns in split order (deterministic), add the expert's bias, apply the
-    activation -> h, column n at n, or with SPLIT_COLS stored [even columns | odd columns]."""
+    """Split-K's end for gate/up (this module's, mxfp4_moe's, mxfp4_mma's): sum the fp32 partials [splits,
+    pairs, gate I | up I] of one pair's columns in split order (deterministic), add the expert's bias, apply
+    the activation -> h, column n at n (COLS 0), [even columns | odd columns] (1), or in the tensor-core
+    GEMV's pair order (2, mxfp4_mma.pair_position)."""
     pair = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
@@ -274,8 +275,10 @@ def gate_up_finish(
         gate += tl.load(b_ptr + expert * stride_bias + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(b_ptr + expert * stride_bias + I + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
     act = activate_tile(gate, up, limit, alpha, ACT)
-    if SPLIT_COLS:
+    if COLS == 1:
         cols = (offs % 2) * (I // 2) + offs // 2
+    elif COLS == 2:
+        cols = pair_position(offs)
     else:
         cols = offs
     tl.store(

@@ -91,7 +91,7 @@ def _mma_rows_ptx(unroll: int) -> str:
         + """mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
 mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $9, 1; min.s32 la, la, ra; sub.s32 lb, $9, 1; min.s32 lb, lb, rb;
 setp.eq.u32 qt, g, g;
-rem.u32 n, warp, $11; mul.lo.u32 n, n, $10; add.u32 hi, n, $10; min.s32 hi, hi, $8;
+rem.u32 n, warp, $11; mul.lo.u32 n, n, $10; add.u32 n, n, $12; add.u32 hi, n, $10; min.s32 hi, hi, $8;
 mul.wide.u32 o, la, $6; add.s64 wpa, $3, o; mul.wide.u32 o, lb, $6; add.s64 wpb, $3, o;
 mul.wide.u32 o, n, 16; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
 mul.wide.u32 o, t, 4; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
@@ -145,28 +145,20 @@ def _pair_order_kernel(x_ptr, out_ptr, K, stride_x, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _mma_rows(
-    w_rows,
-    s_rows,
-    x_row,
-    stride_bn,
-    stride_sn,
-    num_groups,
-    rows_left,
-    SETS: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
+def _mma_rows(w_rows, s_rows, x_row, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
+              UNROLL: tl.constexpr):  # fmt: skip
     """The work of MMA_ROWS_U4/U8 for this program's warps: (row r of each lane (-1: none), [WARPS, 32] partial
     sums of rows r and r + 8). w_rows / s_rows: [32 * WARPS] first-row pointers, one per thread; the warps
     form SETS row sets (warps w, w + 1, ... of a set split its groups). One element per thread, so lane l
     of warp w is element 32 w + l."""
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
-    per_warp = tl.cdiv(num_groups, WARPS // SETS)
+    per_warp = tl.cdiv(g_hi - g_lo, WARPS // SETS)
     row, sa, sb = tl.inline_asm_elementwise(
-        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,l,l,l,r,r,r,r,r,r",
+        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
         [w_rows.to(tl.int64), s_rows.to(tl.int64), zero + x_row.to(tl.int64),
-         (zero + stride_bn).to(tl.int32), (zero + stride_sn).to(tl.int32), (zero + num_groups).to(tl.int32),
-         (zero + rows_left).to(tl.int32), (zero + per_warp).to(tl.int32), (zero + WARPS // SETS).to(tl.int32)],
+         (zero + stride_bn).to(tl.int32), (zero + stride_sn).to(tl.int32), (zero + g_hi).to(tl.int32),
+         (zero + rows_left).to(tl.int32), (zero + per_warp).to(tl.int32), (zero + WARPS // SETS).to(tl.int32),
+         (zero + g_lo).to(tl.int32)],
         dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1,
     )  # fmt: skip
     row = tl.max(tl.reshape(row, (WARPS, 32)), 0)  # the same in every warp
@@ -174,10 +166,23 @@ def _mma_rows(
 
 
 @triton.jit
+def _groups(num_groups, G_SPLIT):
+    """This program's groups [lo, hi) of the input: split program_id(2) of G_SPLIT groups each."""
+    lo = tl.program_id(2) * G_SPLIT
+    return lo, tl.minimum(lo + G_SPLIT, num_groups)
+
+
+@triton.jit
+def pair_position(n):
+    """Where input n of a row sits in pair order (`pair_order`): 8j + m goes to 8j + m // 2 + 4 (m % 2)."""
+    return (n // 8) * 8 + (n % 8) // 2 + 4 * (n % 2)
+
+
+@triton.jit
 def _gate_up_mma(
-    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha,
+    x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -189,33 +194,37 @@ def _gate_up_mma(
     up = tl.arange(0, 32 * WARPS) >= 16 * WARPS
     w_rows = tl.where(up, w0 + I * stride_bn, w0)
     s_rows = tl.where(up, s0 + I * stride_sn, s0)
+    g_lo, g_hi = _groups(H // 32, G_SPLIT)
     row, sum_a, sum_b = _mma_rows(
-        w_rows, s_rows, x_row, stride_bn, stride_sn, H // 32, I - row0, SETS=2, UNROLL=UNROLL
+        w_rows, s_rows, x_row, stride_bn, stride_sn, g_lo, g_hi, I - row0, SETS=2, UNROLL=UNROLL
     )
     is_up = tl.arange(0, WARPS)[:, None] >= WARPS // 2
     g_a, u_a = tl.sum(tl.where(is_up, 0.0, sum_a), 0), tl.sum(tl.where(is_up, sum_a, 0.0), 0)
     g_b, u_b = tl.sum(tl.where(is_up, 0.0, sum_b), 0), tl.sum(tl.where(is_up, sum_b, 0.0), 0)
-    h_row = h_ptr + pair.to(tl.int64) * stride_h
     for half in tl.static_range(2):
         n = row0 + row + 8 * half
         ok = (row >= 0) & (n < I)
         gate = g_a if half == 0 else g_b
         up = u_a if half == 0 else u_b
-        if HAS_BIAS:
-            bias_row = b_ptr + expert * stride_bias
-            gate += tl.load(bias_row + n, mask=ok, other=0.0).to(tl.float32)
-            up += tl.load(bias_row + I + n, mask=ok, other=0.0).to(tl.float32)
-        act = activate_tile(gate, up, limit, alpha, ACT)
-        # h in pair order for down's B fragments: input 8j + m goes to 8j + m // 2 + 4 (m % 2)
-        dest = (n // 8) * 8 + (n % 8) // 2 + 4 * (n % 2)
-        tl.store(h_row + dest, act.to(tl.float16), mask=ok)
+        if SPLITS > 1:  # fp32 partials [split, pair, gate I | up I]: mxfp4_gemv.gate_up_finish does the rest
+            part = h_ptr + (tl.program_id(2) * tl.num_programs(0) + pair).to(tl.int64) * stride_h
+            tl.store(part + n, gate, mask=ok)
+            tl.store(part + I + n, up, mask=ok)
+        else:
+            if HAS_BIAS:
+                bias_row = b_ptr + expert * stride_bias
+                gate += tl.load(bias_row + n, mask=ok, other=0.0).to(tl.float32)
+                up += tl.load(bias_row + I + n, mask=ok, other=0.0).to(tl.float32)
+            act = activate_tile(gate, up, limit, alpha, ACT)
+            h_row = h_ptr + pair.to(tl.int64) * stride_h
+            tl.store(h_row + pair_position(n), act.to(tl.float16), mask=ok)  # pair order for down's B
 
 
 @triton.jit
 def _down_mma(
-    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H,
+    h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y, HAS_BIAS: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -224,24 +233,33 @@ def _down_mma(
     s0 = ws_ptr + expert * stride_se + row0 * stride_sn
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
     h_row = h_ptr + pair.to(tl.int64) * stride_h
+    g_lo, g_hi = _groups(I // 32, G_SPLIT)
     row, sum_a, sum_b = _mma_rows(
-        w0 + zero, s0 + zero, h_row, stride_bn, stride_sn, I // 32, H - row0, SETS=1, UNROLL=UNROLL
+        w0 + zero, s0 + zero, h_row, stride_bn, stride_sn, g_lo, g_hi, H - row0, SETS=1, UNROLL=UNROLL
     )
     y_a, y_b = tl.sum(sum_a, 0), tl.sum(sum_b, 0)
     weight = tl.load(weights_ptr + pair)
-    y_row = y_ptr + pair.to(tl.int64) * stride_y
+    # row pair * splits + s holds split s's part, so the parts of a token stay together
+    y_row = y_ptr + (pair * SPLITS + tl.program_id(2)).to(tl.int64) * stride_y
     for half in tl.static_range(2):
         n = row0 + row + 8 * half
         ok = (row >= 0) & (n < H)
         out = y_a if half == 0 else y_b
-        if HAS_BIAS:
-            out += tl.load(b_ptr + expert * stride_bias + n, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # once per pair, whatever the splits: by split 0
+            bias = tl.load(b_ptr + expert * stride_bias + n, mask=ok & (tl.program_id(2) == 0), other=0.0)
+            out += bias.to(tl.float32)
         tl.store(y_row + n, out * weight, mask=ok)
 
 
 def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
-                  limit=7.0, alpha=1.702, *, sum_k: bool = True, unroll: int = 4) -> torch.Tensor:  # fmt: skip
-    """`moe_mxfp4_gemv`'s result (its first arguments) from the tensor-core GEMV above (CUDA only)."""
+                  limit=7.0, alpha=1.702, *, sum_k: bool = True, unroll: int = 4,
+                  splits: tuple[int, int] = (1, 1)) -> torch.Tensor:  # fmt: skip
+    """`moe_mxfp4_gemv`'s result (its first arguments) from the tensor-core GEMV above (CUDA only).
+    unroll: groups a step (4 or 8). splits: programs along the input for gate/up and for down (split-K:
+    more, shorter chains of loads); gate/up's partials are summed by mxfp4_gemv.finish_gate_up, down's
+    come back as extra parts (sum_k=False: [T, k * splits, H]) or are summed here."""
+    from minakv.ops.mxfp4_gemv import finish_gate_up  # here: mxfp4_gemv imports this module
+
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     hidden = x.shape[1]
@@ -250,20 +268,30 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     ids = topk_ids.reshape(-1).contiguous()
     dummy = ids
     x16 = pair_order(x)
+    gu_splits, d_splits = splits
     h = torch.empty(num_pairs, inter, dtype=torch.float16, device=x.device)
-    _gate_up_mma[(num_pairs, triton.cdiv(inter, ROWS))](
-        x16, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h, hidden, inter, k,
-        float(limit), float(alpha), x16.stride(0), gub.stride(0), gub.stride(1), gus.stride(0), gus.stride(1),
-        gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
-        HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], num_warps=WARPS.value, UNROLL=unroll,
+    partial = (
+        torch.empty(gu_splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
+        if gu_splits > 1
+        else h
+    )
+    _gate_up_mma[(num_pairs, triton.cdiv(inter, ROWS), gu_splits)](
+        x16, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, partial, hidden, inter, k,
+        float(limit), float(alpha), triton.cdiv(hidden // 32, gu_splits), x16.stride(0), gub.stride(0),
+        gub.stride(1), gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0,
+        partial.stride(-2), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation],
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=gu_splits,
     )  # fmt: skip
-    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    if gu_splits > 1:
+        finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, cols=2)
+    y = torch.empty(num_pairs * d_splits, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _down_mma[(num_pairs, triton.cdiv(hidden, ROWS))](
-        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden, h.stride(0),
-        db.stride(0), db.stride(1), ds.stride(0), ds.stride(1), down_bias.stride(0) if down_bias is not None else 0,
-        y.stride(0), HAS_BIAS=down_bias is not None, num_warps=WARPS.value, UNROLL=unroll,
+    _down_mma[(num_pairs, triton.cdiv(hidden, ROWS), d_splits)](
+        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
+        triton.cdiv(inter // 32, d_splits), h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
+        down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=d_splits,
     )  # fmt: skip
     if not sum_k:
-        return y.view(num_tokens, k, hidden)
-    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+        return y.view(num_tokens, k * d_splits, hidden)
+    return y.view(num_tokens, k * d_splits, hidden).sum(1).to(x.dtype)

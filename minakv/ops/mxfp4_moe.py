@@ -170,7 +170,7 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
         partial.stride(-2), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], **meta,
     )  # fmt: skip
     if splits > 1:
-        finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, MODES[mode] in (1, 2, 3))
+        finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, int(MODES[mode] in (1, 2, 3)))
     # down: row pair * splits + s holds split s's part, so the parts of a token stay together
     y = torch.empty(num_pairs * splits, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
