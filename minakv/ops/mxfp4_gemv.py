@@ -3,7 +3,8 @@
 At a batch of one a decode step's MoE reads 4 experts' packed weights (~50 MB at gpt-oss's shapes) and
 multiplies each weight once. The tensor-core kernels of mxfp4_moe.py pad that one row to a 16-row tile and
 read at ~12% of copy bandwidth on the H200; this path reads at twice that (bench/RESULTS.md, "GEMVs for few
-pairs"; what bounds it is not settled, docs/kernels.md):
+pairs"). On the GPU `moe_mxfp4` asks for `mma=True`: the same GEMV on the tensor cores (mxfp4_mma.py, ~2.5
+instructions a weight against ~5 here), faster still; this CUDA-core form is the interpreter's:
 
     program (pair p, rows n .. n + BN of its expert's weight W [out, in], split s of the input)
     thread  whole 16-byte groups: 32 weights, one vector load (4 words), one scale byte

@@ -8,8 +8,9 @@ is 1,440 bytes plus 90 scale bytes, against 5,760 in bf16: 3.8x fewer bytes per 
 `moe_mxfp4` computes the same function as `moe_loop` (minakv/ops/moe.py) on `dequantize_mxfp4` of the
 same weights, and picks one of three paths:
 
-  pairs <= experts      `moe_mxfp4_gemv` (minakv/ops/mxfp4_gemv.py): a GEMV per pair on the CUDA cores; at
-                        one token 2x faster than the fused kernels below on the H200 (RESULTS.md).
+  pairs <= experts      `moe_mxfp4_gemv` (minakv/ops/mxfp4_gemv.py): a GEMV per pair, on the GPU on the
+                        tensor cores (mxfp4_mma.py); at one token 2.3x faster than the fused kernels
+                        below on the H200 (RESULTS.md).
   few pairs (decode)    `moe_mxfp4_fused`, below: the two kernels of fused_moe.py with a packed weight
                         tile. Each program owns (expert, block of output columns), finds its expert's
                         pairs by scanning the id list (no sort), and reads its packed tile once:
@@ -81,12 +82,12 @@ def moe_mxfp4(
 
 
 def gemv_config(num_pairs: int) -> dict:
-    """The GEMV's settings, measured on the H200 at gpt-oss's shapes (bench/RESULTS.md, "GEMVs for few
-    pairs"): the tensor-core GEMV (mxfp4_mma.py), 0.052 / 0.115 / 0.183 ms at 1 / 4 / 8 tokens (20b) against
-    0.054 / 0.146 / 0.254 for the best CUDA-core strips. Those strips stay for the interpreter: 4 rows x 32
-    groups at one token's pairs, 16 x 4 on 2 warps beyond."""
+    """The GEMV's settings, measured on the H200 at gpt-oss's shapes (bench/RESULTS.md, "Tensor-core GEMV"):
+    the tensor-core GEMV (mxfp4_mma.py), 0.045 / 0.107 / 0.172 ms at 1 / 4 / 8 tokens (20b) against 0.054 /
+    0.146 / 0.254 for the best CUDA-core strips, which stay for the interpreter: 4 rows x 32 groups at one
+    token's pairs, 16 x 4 on 2 warps beyond."""
     if num_pairs <= 4:
-        return {"block_n": 4, "groups": 32, "num_warps": 4, "x_in_asm": True, "mma": True}
+        return {"block_n": 4, "groups": 32, "num_warps": 4, "mma": True}
     return {"block_n": 16, "groups": 4, "num_warps": 2, "mma": True}
 
 
