@@ -10,6 +10,7 @@ the clamped SwiGLU, bf16 activations, at T = 1, 8, 64, 256, 1024, 4096 tokens it
     gemv bn.. g.. w..     mxfp4_gemv: a GEMV per pair on the CUDA cores (T <= 16); "x-in-asm": the PTX
                           block loads the activations itself (no layout change); "mma u4/u8": the
                           tensor-core GEMV of mxfp4_mma.py (inline-PTX mma.sync), 4 or 8 groups a step;
+                          "mma grouped": mxfp4_mma_grouped.py (up to 8 pairs of an expert per MMA, T <= 256);
                           "stream-only" (T = 64):
                           its weight reads alone, no decode nor math (a ceiling for its access pattern)
     fused ... split-K k   K split over k programs per output block (partial sums, then a finishing pass)
@@ -50,6 +51,7 @@ from minakv.ops.moe import moe_grouped, moe_loop
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_mma import moe_mxfp4_mma
+from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 from minakv.ops.mxfp4_moe import moe_mxfp4_fused
 
 TOKENS = (1, 8, 64, 256, 1024, 4096)
@@ -80,6 +82,7 @@ GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX
     (f"gemv bn{n} g{g} w{w} split-K {k}", {"block_n": n, "groups": g, "num_warps": w, "splits": k})
     for n, g, w, k in ((16, 4, 2, 3), (4, 32, 4, 2))
 ]  # fmt: skip
+MMA_GROUPED = [("mma grouped u4", {"unroll": 4}), ("mma grouped u8", {"unroll": 8})]  # mxfp4_mma_grouped.py
 MMA = [  # the tensor-core GEMV (mxfp4_mma.py): groups a step, split-K for gate/up and down
     (f"gemv mma u{u} split {a},{b}", {"unroll": u, "splits": (a, b)})
     for u, a, b in ((4, 1, 1), (8, 1, 1), (4, 2, 2), (4, 2, 4), (4, 3, 3), (8, 2, 2))
@@ -163,6 +166,8 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
     if tokens <= GEMV_MAX_T:
         out += [(name, lambda kw=kw: moe_mxfp4_gemv(*args, **kw), True) for name, kw in GEMV]
         out += [(name, lambda kw=kw: moe_mxfp4_mma(*args, **kw), True) for name, kw in MMA]
+    if tokens <= 256:
+        out += [(name, lambda kw=kw: moe_mxfp4_mma_grouped(*args, **kw), True) for name, kw in MMA_GROUPED]
     elif tokens <= DECODE_MAX_T:  # beyond, the GEMV's reads alone
         out += [(f"gemv stream-only bn{n} g{g} w{wp}", lambda n=n, g=g, wp=wp: stream(args[1], args[3], n, g, wp),
                  True) for n, g, wp in STREAM]  # fmt: skip
@@ -194,7 +199,7 @@ def run(
             for name, fn, packed in variants(tokens, args, bf16_args):
                 if (
                     only
-                    and only not in name
+                    and not any(part in name for part in only.split(","))
                     and not name.endswith("baseline")
                     and not name.startswith("bf16")
                 ):
@@ -252,7 +257,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="20b,120b")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    parser.add_argument("--only", default=None, help="run only variants whose name contains this")
+    parser.add_argument(
+        "--only", default=None, help="run only variants whose name contains one of these (comma-separated)"
+    )
     parser.add_argument("--budget-s", type=float, default=170.0)
     default_out = os.path.join(os.environ["OUT"], "mxfp4_variants.json") if os.environ.get("OUT") else None
     parser.add_argument("--out", default=default_out)

@@ -261,6 +261,15 @@ def _mxfp4_mma() -> None:
     moe_mxfp4_mma(*_mxfp4_layer(1), sum_k=False, splits=(2, 3))  # split-K: partials, the pair-order finish
 
 
+@case("mxfp4_mma_grouped")
+def _mxfp4_mma_grouped() -> None:
+    """The tensor-core GEMV with up to 8 pairs of one expert in its MMA columns."""
+    from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
+
+    moe_mxfp4_mma_grouped(*_mxfp4_layer(16), sum_k=False)
+    moe_mxfp4_mma_grouped(*_mxfp4_layer(16, experts=128), unroll=8)
+
+
 @case("mxfp4_fused-split_k")
 def _mxfp4_fused_split_k() -> None:
     """Split-K: the kernels' partial-sum stores and the gate/up finishing kernel."""

@@ -308,12 +308,19 @@ def test_pair_order(dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("t, e, h, i", [(1, 3, 96, 160), (3, 4, 256, 72 * 32), (1, 2, 2880, 2880)])
-def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:  # (unrolls, split-K)
-    """The tensor-core GEMV (mxfp4_mma.py, inline PTX: GPU only) against float64 on the dequantized weights,
-    fp32 activations (cast to fp16 by it: exact for these inputs' range, so within fp32 summation error
-    of the reference): 3 and 5 groups (tails of the 4-group step and of the warps' shares, I = 160 rows
-    leaving a partial 16-row block), and gpt-oss's 90 groups."""
+@pytest.mark.parametrize(
+    "t, e, h, i",
+    [(1, 3, 96, 160), (3, 4, 256, 72 * 32), (1, 2, 2880, 2880), (12, 3, 96, 160), (40, 4, 256, 512)],
+)
+def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
+    """The tensor-core GEMVs (mxfp4_mma.py per pair, mxfp4_mma_grouped.py up to 8 pairs of an expert per
+    MMA; inline PTX: GPU only) against float64 on the dequantized weights, fp32 activations (cast to fp16
+    by them: exact for these inputs' range, so within fp32 summation error of the reference): 3 and 5
+    groups (tails of the 4-group step and of the warps' shares, I = 160 rows leaving a partial 16-row
+    block), gpt-oss's 90 groups; 24 and 80 pairs over 3 and 4 experts (tiles of 8 and partial ones)."""
+    from minakv.ops.mxfp4_mma import moe_mxfp4_mma
+    from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
+
     args, ref = case("swiglu_oai", t, e=e, h=h, i=i, seed=t + h)
     args = [
         a.cuda()
@@ -321,13 +328,15 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:  # (unrolls, spli
         else ({k: v.cuda() for k, v in a.items()} if isinstance(a, dict) else a)
         for a in args
     ]
-    from minakv.ops.mxfp4_mma import moe_mxfp4_mma
-
+    tol = {"rtol": 2e-3, "atol": 2e-3 * float(ref.abs().max())}
     for unroll, splits in ((4, (1, 1)), (8, (2, 3)), (4, (3, 4))):  # split-K 4 over 5 groups: one split empty
         parts = moe_mxfp4_mma(*args, sum_k=False, unroll=unroll, splits=splits)
         assert parts.shape == (t, 2 * splits[1], h) and parts.dtype == torch.float32
-        out = parts.sum(1).cpu()
-        torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3 * float(ref.abs().max()))
+        torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
+    for unroll in (4, 8):
+        parts = moe_mxfp4_mma_grouped(*args, sum_k=False, unroll=unroll)
+        assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
+        torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
 
 
 def real_shape(tokens: int, e: int = 32, h: int = 2880, i: int = 2880, k: int = 4, seed: int = 0):

@@ -53,7 +53,8 @@ _LOAD = """@{p}ld.global.nc.b32 wa{j}, [wpa+{w}]; @{p}ld.global.nc.u8 sa{j}, [sp
 _MMA = """@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{a0, a1, a2, a3}}, {{x0{j}, x1{j}}}, {{z, z, z, z}};
 @{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{b0, b1, b2, b3}}, {{x2{j}, x3{j}}}, {{c0, c1, c2, c3}};
 add.u32 sa{j}, sa{j}, 6; shl.b32 sa{j}, sa{j}, 23; mov.b32 fa, sa{j}; add.u32 sb{j}, sb{j}, 6; shl.b32 sb{j}, sb{j}, 23;
-mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e2, c2, fb, e2;
+mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e1, c1, fa, e1;
+@{p}fma.rn.f32 e2, c2, fb, e2; @{p}fma.rn.f32 e3, c3, fb, e3;
 """
 
 
@@ -74,7 +75,13 @@ def _step(unroll: int, tail: bool) -> str:
 
 
 def _mma_rows_ptx(unroll: int) -> str:
-    """The PTX of one lane's work (operands above), `unroll` groups a step."""
+    """The PTX of one lane's work, `unroll` groups a step. Operands: $0 the lane, $1..$4 its warp's partial
+    sums over the warp's share of the groups, in C fragment order: rows g and g + 8 (g = lane / 4) times
+    columns 2t and 2t + 1 (t = lane % 4), (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1); $5 first row's bytes,
+    $6 its scales, $7 this lane's column's fp16 inputs (pair order), $8 / $9 bytes per row of blocks /
+    scales, $14 / $10 first and end group, $11 rows left from the first, $12 groups per warp, $13 warps per
+    row set (warp w takes share w % $13). Rows past the last read the last row, columns past the last any
+    real inputs: their sums are not stored."""
     regs = "".join(
         f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
         for j in range(unroll)
@@ -85,20 +92,21 @@ def _mma_rows_ptx(unroll: int) -> str:
 .reg .b32 tid, lane, warp, g, t, ra, rb, la, lb, n, hi, t0, t1, t2, a0, a1, a2, a3, b0, b1, b2, b3, z;
 .reg .b16 h0, h1;
 .reg .b64 wpa, wpb, spa, spb, xp, o;
-.reg .f32 c0, c1, c2, c3, e0, e2, fa, fb;
+.reg .f32 c0, c1, c2, c3, e0, e1, e2, e3, fa, fb;
 """
         + regs
         + """mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
-mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $9, 1; min.s32 la, la, ra; sub.s32 lb, $9, 1; min.s32 lb, lb, rb;
+mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $11, 1; min.s32 la, la, ra; sub.s32 lb, $11, 1; min.s32 lb, lb, rb;
 setp.eq.u32 qt, g, g;
-rem.u32 n, warp, $11; mul.lo.u32 n, n, $10; add.u32 n, n, $12; add.u32 hi, n, $10; min.s32 hi, hi, $8;
-mul.wide.u32 o, la, $6; add.s64 wpa, $3, o; mul.wide.u32 o, lb, $6; add.s64 wpb, $3, o;
+rem.u32 n, warp, $13; mul.lo.u32 n, n, $12; add.u32 n, n, $14; add.u32 hi, n, $12; min.s32 hi, hi, $10;
+mul.wide.u32 o, la, $8; add.s64 wpa, $5, o; mul.wide.u32 o, lb, $8; add.s64 wpb, $5, o;
 mul.wide.u32 o, n, 16; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
 mul.wide.u32 o, t, 4; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
-mul.wide.u32 o, la, $7; add.s64 spa, $4, o; mul.wide.u32 o, lb, $7; add.s64 spb, $4, o;
+mul.wide.u32 o, la, $9; add.s64 spa, $6, o; mul.wide.u32 o, lb, $9; add.s64 spb, $6, o;
 cvt.u64.u32 o, n; add.s64 spa, spa, o; add.s64 spb, spb, o;
-mul.wide.u32 o, t, 16; add.s64 xp, $5, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
-mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e2, 0f00000000;
+mul.wide.u32 o, t, 16; add.s64 xp, $7, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
+mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e1, 0f00000000; mov.f32 e2, 0f00000000;
+mov.f32 e3, 0f00000000;
 LOOP${:uid}:
 """
         + f"""add.s32 n0, n, {unroll}; setp.gt.s32 qe, n0, hi;
@@ -114,9 +122,7 @@ setp.lt.s32 qe, n, hi;
 """
         + _step(unroll, tail=True)
         + """DONE${:uid}:
-setp.eq.u32 qe, t, 0;
-selp.b32 $0, ra, -1, qe;
-mov.b32 $1, e0; mov.b32 $2, e2;
+mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e1; mov.b32 $3, e2; mov.b32 $4, e3;
 }"""
     )
 
@@ -145,24 +151,31 @@ def _pair_order_kernel(x_ptr, out_ptr, K, stride_x, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _mma_rows(w_rows, s_rows, x_row, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
+def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
               UNROLL: tl.constexpr):  # fmt: skip
-    """The work of MMA_ROWS_U4/U8 for this program's warps: (row r of each lane (-1: none), [WARPS, 32] partial
-    sums of rows r and r + 8). w_rows / s_rows: [32 * WARPS] first-row pointers, one per thread; the warps
-    form SETS row sets (warps w, w + 1, ... of a set split its groups). One element per thread, so lane l
-    of warp w is element 32 w + l."""
-    zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
+    """The work of MMA_ROWS_U4/U8 for this program's warps -> (lane [32], four [WARPS, 32] partial sums in
+    C fragment order, `_mma_rows_ptx`). w_rows / s_rows / x_rows: [32 * WARPS] pointers, one per thread (the
+    first weight row, its scales, the thread's column's inputs); the warps form SETS row sets (the warps of
+    a set split its groups). One element per thread, so lane l of warp w is element 32 w + l."""
+    zero = tl.arange(0, 32 * WARPS) * 0
     per_warp = tl.cdiv(g_hi - g_lo, WARPS // SETS)
-    row, sa, sb = tl.inline_asm_elementwise(
-        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
-        [w_rows.to(tl.int64), s_rows.to(tl.int64), zero + x_row.to(tl.int64),
-         (zero + stride_bn).to(tl.int32), (zero + stride_sn).to(tl.int32), (zero + g_hi).to(tl.int32),
-         (zero + rows_left).to(tl.int32), (zero + per_warp).to(tl.int32), (zero + WARPS // SETS).to(tl.int32),
-         (zero + g_lo).to(tl.int32)],
-        dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1,
+    lane, s0, s1, s2, s3 = tl.inline_asm_elementwise(
+        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
+        [w_rows.to(tl.int64), s_rows.to(tl.int64), x_rows.to(tl.int64), (zero + stride_bn).to(tl.int32),
+         (zero + stride_sn).to(tl.int32), (zero + g_hi).to(tl.int32), (zero + rows_left).to(tl.int32),
+         (zero + per_warp).to(tl.int32), (zero + WARPS // SETS).to(tl.int32), (zero + g_lo).to(tl.int32)],
+        dtype=(tl.int32, tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
     )  # fmt: skip
-    row = tl.max(tl.reshape(row, (WARPS, 32)), 0)  # the same in every warp
-    return row, tl.reshape(sa, (WARPS, 32)), tl.reshape(sb, (WARPS, 32))
+    lane = tl.max(tl.reshape(lane, (WARPS, 32)), 0)  # the same in every warp
+    s0, s1 = tl.reshape(s0, (WARPS, 32)), tl.reshape(s1, (WARPS, 32))
+    return lane, s0, s1, tl.reshape(s2, (WARPS, 32)), tl.reshape(s3, (WARPS, 32))
+
+
+@triton.jit
+def warp_sets(sums):
+    """[WARPS, 32] partial sums of two row sets (warps 0, 1 and 2, 3) -> each set's sums [32]."""
+    second = tl.arange(0, WARPS)[:, None] >= WARPS // 2
+    return tl.sum(tl.where(second, 0.0, sums), 0), tl.sum(tl.where(second, sums, 0.0), 0)
 
 
 @triton.jit
@@ -195,12 +208,13 @@ def _gate_up_mma(
     w_rows = tl.where(up, w0 + I * stride_bn, w0)
     s_rows = tl.where(up, s0 + I * stride_sn, s0)
     g_lo, g_hi = _groups(H // 32, G_SPLIT)
-    row, sum_a, sum_b = _mma_rows(
-        w_rows, s_rows, x_row, stride_bn, stride_sn, g_lo, g_hi, I - row0, SETS=2, UNROLL=UNROLL
+    zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
+    lane, sum_a, _, sum_b, _ = mma_rows(
+        w_rows, s_rows, x_row + zero, stride_bn, stride_sn, g_lo, g_hi, I - row0, SETS=2, UNROLL=UNROLL
     )
-    is_up = tl.arange(0, WARPS)[:, None] >= WARPS // 2
-    g_a, u_a = tl.sum(tl.where(is_up, 0.0, sum_a), 0), tl.sum(tl.where(is_up, sum_a, 0.0), 0)
-    g_b, u_b = tl.sum(tl.where(is_up, 0.0, sum_b), 0), tl.sum(tl.where(is_up, sum_b, 0.0), 0)
+    row = tl.where(lane % 4 == 0, lane // 4, -1)  # column 0 (the pair) is held by the lanes of t = 0
+    g_a, u_a = warp_sets(sum_a)
+    g_b, u_b = warp_sets(sum_b)
     for half in tl.static_range(2):
         n = row0 + row + 8 * half
         ok = (row >= 0) & (n < I)
@@ -234,9 +248,10 @@ def _down_mma(
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     g_lo, g_hi = _groups(I // 32, G_SPLIT)
-    row, sum_a, sum_b = _mma_rows(
-        w0 + zero, s0 + zero, h_row, stride_bn, stride_sn, g_lo, g_hi, H - row0, SETS=1, UNROLL=UNROLL
+    lane, sum_a, _, sum_b, _ = mma_rows(
+        w0 + zero, s0 + zero, h_row + zero, stride_bn, stride_sn, g_lo, g_hi, H - row0, SETS=1, UNROLL=UNROLL
     )
+    row = tl.where(lane % 4 == 0, lane // 4, -1)
     y_a, y_b = tl.sum(sum_a, 0), tl.sum(sum_b, 0)
     weight = tl.load(weights_ptr + pair)
     # row pair * splits + s holds split s's part, so the parts of a token stay together
