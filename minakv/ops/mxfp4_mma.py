@@ -192,21 +192,47 @@ def pair_position(n):
 
 
 @triton.jit
+def expert_rows(wb_ptr, ws_ptr, expert, I, stride_be, stride_bn, stride_se, stride_sn, GATE_UP: tl.constexpr):
+    """This program's 16 rows of the expert (program_id(1)) -> (first row, [32 * WARPS] pointers to each
+    thread's first weight row and its scales): with GATE_UP, warps 0, 1 take the gate rows n and warps 2, 3
+    the up rows I + n (both in flight at once)."""
+    e = expert.to(tl.int64)
+    row0 = tl.program_id(1) * 16
+    w0 = wb_ptr + e * stride_be + row0 * stride_bn
+    s0 = ws_ptr + e * stride_se + row0 * stride_sn
+    if GATE_UP:
+        up = tl.arange(0, 32 * WARPS) >= 16 * WARPS
+        w_rows = tl.where(up, w0 + I * stride_bn, w0)
+        s_rows = tl.where(up, s0 + I * stride_sn, s0)
+    else:
+        zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
+        w_rows, s_rows = w0 + zero, s0 + zero
+    return row0, w_rows, s_rows
+
+
+@triton.jit
+def activate_store(gate, up, n, ok, b_ptr, expert, stride_bias, I, limit, alpha, h_row,
+                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
+    """Gate/up's end for sums of rows n: bias, activation, h in pair order (down's B fragments read it)."""
+    if HAS_BIAS:
+        bias_row = b_ptr + expert.to(tl.int64) * stride_bias
+        gate += tl.load(bias_row + n, mask=ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_row + I + n, mask=ok, other=0.0).to(tl.float32)
+    act = activate_tile(gate, up, limit, alpha, ACT)
+    tl.store(h_row + pair_position(n), act.to(tl.float16), mask=ok)
+
+
+@triton.jit
 def _gate_up_mma(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    row0 = tl.program_id(1) * 16
-    w0 = wb_ptr + expert * stride_be + row0 * stride_bn
-    s0 = ws_ptr + expert * stride_se + row0 * stride_sn
+    expert = tl.load(ids_ptr + pair)
+    row0, w_rows, s_rows = expert_rows(wb_ptr, ws_ptr, expert, I, stride_be, stride_bn, stride_se, stride_sn,
+                                       GATE_UP=True)  # fmt: skip
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
-    # warps 0, 1: the gate rows n, each half of the groups; warps 2, 3: the up rows I + n
-    up = tl.arange(0, 32 * WARPS) >= 16 * WARPS
-    w_rows = tl.where(up, w0 + I * stride_bn, w0)
-    s_rows = tl.where(up, s0 + I * stride_sn, s0)
     g_lo, g_hi = _groups(H // 32, G_SPLIT)
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
     lane, sum_a, _, sum_b, _ = mma_rows(
@@ -225,13 +251,8 @@ def _gate_up_mma(
             tl.store(part + n, gate, mask=ok)
             tl.store(part + I + n, up, mask=ok)
         else:
-            if HAS_BIAS:
-                bias_row = b_ptr + expert * stride_bias
-                gate += tl.load(bias_row + n, mask=ok, other=0.0).to(tl.float32)
-                up += tl.load(bias_row + I + n, mask=ok, other=0.0).to(tl.float32)
-            act = activate_tile(gate, up, limit, alpha, ACT)
             h_row = h_ptr + pair.to(tl.int64) * stride_h
-            tl.store(h_row + pair_position(n), act.to(tl.float16), mask=ok)  # pair order for down's B
+            activate_store(gate, up, n, ok, b_ptr, expert, stride_bias, I, limit, alpha, h_row, HAS_BIAS, ACT)
 
 
 @triton.jit
@@ -242,14 +263,13 @@ def _down_mma(
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    row0 = tl.program_id(1) * 16
-    w0 = wb_ptr + expert * stride_be + row0 * stride_bn
-    s0 = ws_ptr + expert * stride_se + row0 * stride_sn
+    row0, w_rows, s_rows = expert_rows(wb_ptr, ws_ptr, expert, H, stride_be, stride_bn, stride_se, stride_sn,
+                                       GATE_UP=False)  # fmt: skip
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     g_lo, g_hi = _groups(I // 32, G_SPLIT)
     lane, sum_a, _, sum_b, _ = mma_rows(
-        w0 + zero, s0 + zero, h_row + zero, stride_bn, stride_sn, g_lo, g_hi, H - row0, SETS=1, UNROLL=UNROLL
+        w_rows, s_rows, h_row + zero, stride_bn, stride_sn, g_lo, g_hi, H - row0, SETS=1, UNROLL=UNROLL
     )
     row = tl.where(lane % 4 == 0, lane // 4, -1)
     y_a, y_b = tl.sum(sum_a, 0), tl.sum(sum_b, 0)

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, group_by_expert, my_tile
-from minakv.ops.mxfp4_mma import ROWS, WARPS, mma_rows, pair_order, pair_position, warp_sets
+from minakv.ops.moe_groups import ACTIVATIONS, group_by_expert, my_tile
+from minakv.ops.mxfp4_mma import ROWS, WARPS, activate_store, expert_rows, mma_rows, pair_order, warp_sets
 
 COLS = tl.constexpr(8)  # pairs a tile: the MMA's columns
 
@@ -53,13 +53,8 @@ def _gate_up_grouped(
     expert, pair, ok, lane_pair = _tile(order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, E_PAD)
     if expert >= num_experts:
         return
-    e = expert.to(tl.int64)
-    row0 = tl.program_id(1) * 16
-    w0 = wb_ptr + e * stride_be + row0 * stride_bn
-    s0 = ws_ptr + e * stride_se + row0 * stride_sn
-    up = tl.arange(0, 32 * WARPS) >= 16 * WARPS  # warps 2, 3: the up rows I + n
-    w_rows = tl.where(up, w0 + I * stride_bn, w0)
-    s_rows = tl.where(up, s0 + I * stride_sn, s0)
+    row0, w_rows, s_rows = expert_rows(wb_ptr, ws_ptr, expert, I, stride_be, stride_bn, stride_se, stride_sn,
+                                       GATE_UP=True)  # fmt: skip
     x_rows = x_ptr + (lane_pair // TOPK).to(tl.int64) * stride_x
     lane, s00, s01, s10, s11 = mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, 0, H // 32, I - row0,
                                          SETS=2, UNROLL=UNROLL)  # fmt: skip
@@ -68,14 +63,9 @@ def _gate_up_grouped(
         gate, up = warp_sets(sums)
         n = row0 + lane // 4 + 8 * (k // 2)
         col_pair, col_ok = _column(pair, ok, 2 * (lane % 4) + k % 2)
-        real = col_ok & (n < I)
-        if HAS_BIAS:
-            bias_row = b_ptr + e * stride_bias
-            gate += tl.load(bias_row + n, mask=real, other=0.0).to(tl.float32)
-            up += tl.load(bias_row + I + n, mask=real, other=0.0).to(tl.float32)
-        act = activate_tile(gate, up, limit, alpha, ACT)
         h_row = h_ptr + col_pair.to(tl.int64) * stride_h
-        tl.store(h_row + pair_position(n), act.to(tl.float16), mask=real)
+        activate_store(gate, up, n, col_ok & (n < I), b_ptr, expert, stride_bias, I, limit, alpha, h_row,
+                       HAS_BIAS, ACT)  # fmt: skip
 
 
 @triton.jit
@@ -88,10 +78,8 @@ def _down_grouped(
     if expert >= num_experts:
         return
     e = expert.to(tl.int64)
-    row0 = tl.program_id(1) * 16
-    zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
-    w_rows = wb_ptr + e * stride_be + row0 * stride_bn + zero
-    s_rows = ws_ptr + e * stride_se + row0 * stride_sn + zero
+    row0, w_rows, s_rows = expert_rows(wb_ptr, ws_ptr, expert, H, stride_be, stride_bn, stride_se, stride_sn,
+                                       GATE_UP=False)  # fmt: skip
     x_rows = h_ptr + lane_pair.to(tl.int64) * stride_h
     lane, s00, s01, s10, s11 = mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, 0, I // 32, H - row0,
                                          SETS=1, UNROLL=UNROLL)  # fmt: skip
