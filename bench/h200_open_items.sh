@@ -7,7 +7,8 @@
 #   host      issue 10: where the engine thread's time goes in kv_drop's last round                  ~120 s
 #   sweep     issue 10: decode at batch 1, 128, 256, greedy and sampled (the q/k/v and add+norm fusions) ~90 s
 #   mxfp4     issue 12: MXFP4 kernel variants incl. the "swap" mode                                 ~180 s
-#   gemv      issue 12: the GEMV variants (x-in-asm, sorted, strips, split-K), their reads alone    ~90 s
+#   gemv      issue 12: the GEMV variants (CUDA-core strips, tensor-core mma), their reads alone    ~90 s
+#   grouped   issue 12: the grouped tensor-core GEMV (8 pairs of an expert per MMA) at 8-256 tokens ~90 s
 #   dummy120  issue 12: gpt-oss-120b (dummy MXFP4) decode at batch 1, 64, 256, and its KV pool        ~240 s
 #   dummy20   issue 12: gpt-oss-20b (dummy MXFP4) decode at batch 1, 64, 256                         ~150 s
 #   throughput issue 12: 512 x 1k in / 1k out, MXFP4 (dummy 20b) beside bf16 (bench/throughput.py) ~300 s
@@ -31,6 +32,8 @@ for step in $STEPS; do
         sweep) timeout 200 python3 bench/decode_sweep.py --batches 1,128,256 --prompt 400 --repeats 2 ;;
         mxfp4) timeout 240 python3 bench/mxfp4_variants.py --out "$OUT/mxfp4_variants.json" ;;
         gemv) timeout 200 python3 bench/mxfp4_variants.py --tokens 1,8,64 --only gemv --out "$OUT/gemv_variants.json" ;;
+        grouped) timeout 200 python3 bench/mxfp4_variants.py --tokens 8,16,64,256 --budget-s 150 \
+            --only "mma grouped,u4 split 1,fused default,grouped default,bf16 fused" --out "$OUT/grouped_mma.json" ;;
         dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 ;;
         dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
         throughput) timeout 400 python3 bench/throughput.py ;;
