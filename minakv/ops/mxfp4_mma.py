@@ -11,15 +11,16 @@ gate/up, warps 0-1 the gate rows and 2-3 the up rows, half of the groups each (s
     decode  word --shift, mask--> 4 E4M3 bytes x 2 --cvt.rn.f16x2.e4m3x2--> fp16 pairs of FP4 * 2^-6
             pairs (0, 2) (4, 6) | (1, 3) (5, 7): the A fragments of the two MMAs (inputs are summed, so
             any order of k does, if the activations' B fragments follow it)
-    B       lanes of g = 0 load the pair's inputs for word t as fp16 in the same order (`pair_order`),
-            others hold zeros
+    B       lane (g, t) loads word t's inputs of column g as fp16 in the same order (`pair_order`); here
+            every column reads the pair's (mxfp4_mma_grouped.py gives each its own pair)
     C       a group's fp32 sums, times the rows' scales 2^(s - 127 + 6), added to the accumulators
 
-About 2.3 instructions per weight against ~6, exact: FP4 * 2^-6 is an fp16, products and sums are fp32.
-The activations go to fp16 (exact for |x| in [2^-14, 65504]; gate/up's h is clamped by the activation, the
-hidden state is RMS-normed), permuted once per call for gate/up, and written permuted by gate/up for down.
-The loads of the next group are issued before the current one is used. Opt-in (`mma=True` in
-`moe_mxfp4_gemv`) until measured; GPU only: the interpreter has no inline assembly.
+About 2.5 instructions per weight in the loop's SASS against ~5-6, exact: FP4 * 2^-6 is an fp16, products
+and sums are fp32. The activations go to fp16 (exact for |x| in [2^-14, 65504], saturated beyond; gate/up's
+h is clamped by the activation, the hidden state is RMS-normed), permuted once per call for gate/up, and
+written permuted by gate/up for down. A lane issues the loads of 4 groups (or 8: `unroll`) before it uses
+any. `moe_mxfp4` takes this path on the GPU (mxfp4_moe.gemv_config); the interpreter has no inline
+assembly and runs mxfp4_gemv.py's CUDA-core form.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
 WARPS = tl.constexpr(4)  # per program: they split the groups of the same 16 rows, then add their sums
 ROWS = 16  # weight rows per program
 
-# groups a lane loads before it uses any (10 bytes of weights and scales each): 4 (60 registers, 8 programs
-# per SM) or 8 (102 registers, 5 per SM)
-
+# `unroll`, groups a lane loads before it uses any (10 bytes of weights and scales each): 4 (63 registers,
+# 8 programs a SM) or 8 (96-102 registers, 5 a SM; slower on the H200, RESULTS.md)
 
 _DECODE = """shl.b32 t0, {w}, 2; shl.b32 t1, {w}, 4; and.b32 t1, t1, 0x80808080;
 lop3.b32 t2, t0, 0x1C1C1C1C, t1, 0xEA; mov.b32 {{h0, h1}}, t2;
