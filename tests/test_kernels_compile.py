@@ -267,7 +267,6 @@ def _mxfp4_mma_grouped() -> None:
     from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 
     moe_mxfp4_mma_grouped(*_mxfp4_layer(16), sum_k=False)
-    moe_mxfp4_mma_grouped(*_mxfp4_layer(16, experts=128), unroll=8)
 
 
 @case("mxfp4_fused-split_k")
