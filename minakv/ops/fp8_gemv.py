@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.fp8_tile import check_fp8_weight, expert_shapes
-from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.triton_util import check, num_sms, ptx_loads_ok
 
 THREADS = 128  # 4 warps; a thread holds one 16-byte vector of a step
@@ -125,9 +125,7 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
         BLOCK_N=n2, GROUPS=g2, X_IN_ASM=asm, num_warps=4,
     )  # fmt: skip
-    if not sum_k:
-        return y.view(num_tokens, k, hidden)
-    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+    return k_parts(y, num_tokens, k, x.dtype, sum_k)
 
 
 @triton.jit

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minakv.ops.moe_groups import k_parts
 from minakv.ops.triton_util import check, interpreting
 
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
@@ -90,9 +91,7 @@ def moe_fused(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
-    if not sum_k:  # the caller's add_rms_norm sums the k parts (minakv/ops/norm.py)
-        return y.view(num_tokens, k, hidden)
-    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+    return k_parts(y, num_tokens, k, x.dtype, sum_k)
 
 
 def default_block_m(num_pairs: int, num_experts: int, sort: bool) -> int:

@@ -18,6 +18,14 @@ import triton.language as tl
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
 
+def k_parts(y: torch.Tensor, num_tokens: int, parts: int, dtype: torch.dtype, sum_k: bool) -> torch.Tensor:
+    """A decode MoE's end: its fp32 rows y [T * parts, H] (a token's k slots, times its split-K parts, one
+    after another) -> [T, parts, H] for the caller's add_rms_norm to sum (minakv/ops/norm.py), or with
+    sum_k their sum [T, H] in `dtype` (a plain sum: deterministic)."""
+    out = y.view(num_tokens, parts, y.shape[-1])
+    return out.sum(1).to(dtype) if sum_k else out
+
+
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Pairs sorted by expert, on the device -> (order, counts, starts, tile_ends, max_tiles)."""
     flat = topk_ids.reshape(-1)

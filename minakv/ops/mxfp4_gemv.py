@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.mxfp4_mma import moe_mxfp4_mma, pair_position
 from minakv.ops.mxfp4_ptx import dot8, dot8_load
-from minakv.ops.mxfp4_tile import packed_shapes
+from minakv.ops.mxfp4_tile import packed_shapes, split_col
 from minakv.ops.triton_util import interpreting, ptx_loads_ok
 
 
@@ -87,9 +87,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
         ds.stride(1), down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
-    if not sum_k:  # the caller's add_rms_norm sums the k parts (minakv/ops/norm.py)
-        return y.view(num_tokens, k * splits, hidden)
-    return y.view(num_tokens, k * splits, hidden).sum(1).to(x.dtype)
+    return k_parts(y, num_tokens, k * splits, x.dtype, sum_k)
 
 
 def finish_gate_up(partial: torch.Tensor, gate_up_bias: torch.Tensor | None, ids: torch.Tensor, h: torch.Tensor,
@@ -276,12 +274,10 @@ def gate_up_finish(
         gate += tl.load(b_ptr + expert * stride_bias + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(b_ptr + expert * stride_bias + I + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
     act = activate_tile(gate, up, limit, alpha, ACT)
-    if COLS == 1:
-        cols = (offs % 2) * (I // 2) + offs // 2
-    elif COLS == 2:
+    if COLS == 2:
         cols = pair_position(offs)
-    else:
-        cols = offs
+    else:  # in place, or [even | odd] as the fused kernels' split modes store it (MODES 0 and 1)
+        cols = split_col(offs, I, COLS)
     tl.store(
         h_ptr + pair.to(tl.int64) * stride_h + cols[None, :], act.to(h_ptr.dtype.element_ty), mask=ok[None, :]
     )

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 
 WARPS = tl.constexpr(4)  # per program: they split the groups of the same 16 rows, then add their sums
 ROWS = 16  # weight rows per program
@@ -327,6 +327,4 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
         num_warps=WARPS.value, UNROLL=unroll, SPLITS=d_splits,
     )  # fmt: skip
-    if not sum_k:
-        return y.view(num_tokens, k * d_splits, hidden)
-    return y.view(num_tokens, k * d_splits, hidden).sum(1).to(x.dtype)
+    return k_parts(y, num_tokens, k * d_splits, x.dtype, sum_k)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.ops.moe_groups import ACTIVATIONS, group_by_expert, my_tile
+from minakv.ops.moe_groups import ACTIVATIONS, group_by_expert, k_parts, my_tile
 from minakv.ops.mxfp4_mma import ROWS, WARPS, activate_store, expert_rows, mma_rows, pair_order, warp_sets
 
 COLS = tl.constexpr(8)  # pairs a tile: the MMA's columns
@@ -124,6 +124,4 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
         db.stride(0), db.stride(1), ds.stride(0), ds.stride(1), down_bias.stride(0) if down_bias is not None else 0,
         y.stride(0), HAS_BIAS=down_bias is not None, UNROLL=unroll, E_PAD=e_pad, num_warps=WARPS.value,
     )  # fmt: skip
-    if not sum_k:
-        return y.view(num_tokens, k, hidden)
-    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+    return k_parts(y, num_tokens, k, x.dtype, sum_k)

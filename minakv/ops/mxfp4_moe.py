@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
-from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.mxfp4_gemv import finish_gate_up, k_per_split, moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
 from minakv.ops.mxfp4_tile import (
@@ -181,9 +181,7 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
         ds.stride(0), ds.stride(1), down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
-    if not sum_k:  # the caller's add_rms_norm sums the k parts (minakv/ops/norm.py)
-        return y.view(num_tokens, k * splits, hidden)
-    return y.view(num_tokens, k * splits, hidden).sum(1).to(x.dtype)
+    return k_parts(y, num_tokens, k * splits, x.dtype, sum_k)
 
 
 @triton.jit
