@@ -11,6 +11,7 @@
 #   grouped   issue 12: the grouped tensor-core GEMV (8 pairs of an expert per MMA) at 8-256 tokens ~90 s
 #   dummy120  issue 12: gpt-oss-120b (dummy MXFP4) decode at batch 1, 64, 256, and its KV pool        ~240 s
 #   dummy20   issue 12: gpt-oss-20b (dummy MXFP4) decode at batch 1, 64, 256                         ~150 s
+#   k512      issue 12: gpt-oss-20b (dummy MXFP4) at batch 512, prompt 1,024: the step's kernels      ~120 s
 #   throughput issue 12: 512 x 1k in / 1k out, MXFP4 (dummy 20b) beside bf16 (bench/throughput.py) ~300 s
 #   ceiling   issue 12: how fast one kernel can read 3-1024 MB (the floor of a decode GEMV's size)   ~30 s
 #   fp8       issue 12: MiniMax-M2 FP8 projections and MoE (GEMV, x-in-asm, tensor cores), 8 layers  ~60 s
@@ -36,6 +37,7 @@ for step in $STEPS; do
             --only "mma grouped,u4 split 1,fused default,grouped default,bf16 fused" --out "$OUT/grouped_mma.json" ;;
         dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 ;;
         dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
+        k512) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 512 --prompt 1024 --repeats 1 --modes greedy --kernels ;;
         throughput) timeout 400 python3 bench/throughput.py ;;
         ceiling) timeout 120 python3 bench/read_ceiling.py ;;
         fp8) timeout 300 python3 bench/bench_fp8.py --tokens 1,4,64 --layers 8 ;;
