@@ -8,10 +8,10 @@
 #   sweep     issue 10: decode at batch 1, 128, 256, greedy and sampled (the q/k/v and add+norm fusions) ~90 s
 #   mxfp4     issue 12: MXFP4 kernel variants incl. the "swap" mode                                 ~180 s
 #   gemv      issue 12: the GEMV variants (CUDA-core strips, tensor-core mma), their reads alone    ~90 s
-#   grouped   issue 12: the grouped tensor-core GEMV (8 pairs of an expert per MMA) at 8-256 tokens ~90 s
+#   grouped   issue 12: the grouped tensor-core GEMM (mxfp4_mma_grouped.py) at 8-4,096 tokens      ~250 s
 #   dummy120  issue 12: gpt-oss-120b (dummy MXFP4) decode at batch 1, 64, 256, and its KV pool        ~240 s
 #   dummy20   issue 12: gpt-oss-20b (dummy MXFP4) decode at batch 1, 64, 256                         ~150 s
-#   k512      issue 12: gpt-oss-20b (dummy MXFP4) at batch 512, prompt 1,024: the step's kernels      ~120 s
+#   k512      issue 12: gpt-oss-20b (dummy MXFP4) at batch 256 and 512, prompt 1,024: the step kernels ~150 s
 #   throughput issue 12: 512 x 1k in / 1k out, MXFP4 (dummy 20b) beside bf16 (bench/throughput.py) ~300 s
 #   ceiling   issue 12: how fast one kernel can read 3-1024 MB (the floor of a decode GEMV's size)   ~30 s
 #   fp8       issue 12: MiniMax-M2 FP8 projections and MoE (GEMV, x-in-asm, tensor cores), 8 layers  ~60 s
@@ -33,11 +33,11 @@ for step in $STEPS; do
         sweep) timeout 200 python3 bench/decode_sweep.py --batches 1,128,256 --prompt 400 --repeats 2 ;;
         mxfp4) timeout 240 python3 bench/mxfp4_variants.py --out "$OUT/mxfp4_variants.json" ;;
         gemv) timeout 200 python3 bench/mxfp4_variants.py --tokens 1,8,64 --only gemv --out "$OUT/gemv_variants.json" ;;
-        grouped) timeout 200 python3 bench/mxfp4_variants.py --tokens 8,16,64,256 --budget-s 150 \
-            --only "mma grouped,u4 split 1,fused default,grouped default,bf16 fused" --out "$OUT/grouped_mma.json" ;;
+        grouped) timeout 300 python3 bench/mxfp4_variants.py --tokens 8,16,64,256,512,1024,4096 --budget-s 240 \
+            --only "mma grouped,u4 split 1,fused default,grouped default,bf16 fused,bf16 grouped" --out "$OUT/grouped_mma.json" ;;
         dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 ;;
         dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
-        k512) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 512 --prompt 1024 --repeats 1 --modes greedy --kernels ;;
+        k512) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 256,512 --prompt 1024 --n1 64 --n2 160 --max-num-batched-tokens 16384 --repeats 1 --modes greedy --kernels ;;
         throughput) timeout 400 python3 bench/throughput.py ;;
         ceiling) timeout 120 python3 bench/read_ceiling.py ;;
         fp8) timeout 300 python3 bench/bench_fp8.py --tokens 1,4,64 --layers 8 ;;

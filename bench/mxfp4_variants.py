@@ -10,7 +10,7 @@ the clamped SwiGLU, bf16 activations, at T = 1, 8, 64, 256, 1024, 4096 tokens it
     gemv bn.. g.. w..     mxfp4_gemv: a GEMV per pair on the CUDA cores (T <= 16); "x-in-asm": the PTX
                           block loads the activations itself (no layout change); "mma u4/u8": the
                           tensor-core GEMV of mxfp4_mma.py (inline-PTX mma.sync), 4 or 8 groups a step;
-                          "mma grouped": mxfp4_mma_grouped.py (up to 8 pairs of an expert per MMA, T <= 256);
+                          "mma grouped": mxfp4_mma_grouped.py (row x pair tiles a warp, T >= 8);
                           "stream-only" (T = 64):
                           its weight reads alone, no decode nor math (a ceiling for its access pattern)
     fused ... split-K k   K split over k programs per output block (partial sums, then a finishing pass)
@@ -82,7 +82,10 @@ GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX
     (f"gemv bn{n} g{g} w{w} split-K {k}", {"block_n": n, "groups": g, "num_warps": w, "splits": k})
     for n, g, w, k in ((16, 4, 2, 3), (4, 32, 4, 2))
 ]  # fmt: skip
-MMA_GROUPED = [("mma grouped u4", {"unroll": 4}), ("mma grouped u8", {"unroll": 8})]  # mxfp4_mma_grouped.py
+MMA_GROUPED = [  # mxfp4_mma_grouped.py: row tiles (16 rows) x pair tiles (8 pairs) a warp, groups a step
+    (f"mma grouped mr{mr} nt{nt} u{u}", {"mr": mr, "nt": nt, "unroll": u})
+    for mr, nt, u in ((4, 4, 2), (4, 4, 1), (2, 4, 2), (2, 4, 4), (4, 2, 2), (2, 2, 2), (2, 1, 2), (4, 8, 1))
+]
 MMA = [  # the tensor-core GEMV (mxfp4_mma.py): groups a step, split-K for gate/up and down
     (f"gemv mma u{u} split {a},{b}", {"unroll": u, "splits": (a, b)})
     for u, a, b in ((4, 1, 1), (8, 1, 1), (4, 2, 2), (4, 2, 4), (4, 3, 3), (8, 2, 2))
@@ -166,9 +169,9 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
     if tokens <= GEMV_MAX_T:
         out += [(name, lambda kw=kw: moe_mxfp4_gemv(*args, **kw), True) for name, kw in GEMV]
         out += [(name, lambda kw=kw: moe_mxfp4_mma(*args, **kw), True) for name, kw in MMA]
-    if tokens <= 256:
+    if tokens >= 8:
         out += [(name, lambda kw=kw: moe_mxfp4_mma_grouped(*args, **kw), True) for name, kw in MMA_GROUPED]
-    elif tokens <= DECODE_MAX_T:  # beyond, the GEMV's reads alone
+    if GEMV_MAX_T < tokens <= DECODE_MAX_T:  # beyond, the GEMV's reads alone
         out += [(f"gemv stream-only bn{n} g{g} w{wp}", lambda n=n, g=g, wp=wp: stream(args[1], args[3], n, g, wp),
                  True) for n, g, wp in STREAM]  # fmt: skip
     if tokens >= 256:

@@ -263,10 +263,11 @@ def _mxfp4_mma() -> None:
 
 @case("mxfp4_mma_grouped")
 def _mxfp4_mma_grouped() -> None:
-    """The tensor-core GEMV with up to 8 pairs of one expert in its MMA columns."""
+    """The grouped tensor-core GEMM: PTX generated per shape (tiles, unrolled steps and their tail)."""
     from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 
     moe_mxfp4_mma_grouped(*_mxfp4_layer(16), sum_k=False)
+    moe_mxfp4_mma_grouped(*_mxfp4_layer(16, hidden=96, inter=160), sum_k=False, mr=2, nt=1, unroll=4)
 
 
 @case("mxfp4_fused-split_k")

@@ -313,11 +313,11 @@ def test_pair_order(dtype: torch.dtype) -> None:
     [(1, 3, 96, 160), (3, 4, 256, 72 * 32), (1, 2, 2880, 2880), (12, 3, 96, 160), (40, 4, 256, 512)],
 )
 def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
-    """The tensor-core GEMVs (mxfp4_mma.py per pair, mxfp4_mma_grouped.py up to 8 pairs of an expert per
-    MMA; inline PTX: GPU only) against float64 on the dequantized weights, fp32 activations (cast to fp16
-    by them: exact for these inputs' range, so within fp32 summation error of the reference): 3 and 5
-    groups (tails of the 4-group step and of the warps' shares, I = 160 rows leaving a partial 16-row
-    block), gpt-oss's 90 groups; 24 and 80 pairs over 3 and 4 experts (tiles of 8 and partial ones)."""
+    """The tensor-core kernels (mxfp4_mma.py per pair, mxfp4_mma_grouped.py row x pair tiles; inline PTX:
+    GPU only) against float64 on the dequantized weights, fp32 activations (cast to fp16 by them: exact
+    for these inputs' range, so within fp32 summation error of the reference): 3 and 5 groups (tails of the
+    unrolled step and of the warps' shares; H = 96 and I = 160 rows end inside a warp's rows, which then
+    moves back), gpt-oss's 90 groups; 48 and 160 pairs over 3 and 4 experts (full and partial pair tiles)."""
     from minakv.ops.mxfp4_mma import moe_mxfp4_mma
     from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 
@@ -333,8 +333,8 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
         parts = moe_mxfp4_mma(*args, sum_k=False, unroll=unroll, splits=splits)
         assert parts.shape == (t, 2 * splits[1], h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
-    for unroll in (4, 8):
-        parts = moe_mxfp4_mma_grouped(*args, sum_k=False, unroll=unroll)
+    for mr, nt, unroll in ((4, 4, 2), (2, 1, 4), (2, 2, 1), (4, 8, 1)):
+        parts = moe_mxfp4_mma_grouped(*args, sum_k=False, mr=mr, nt=nt, unroll=unroll)
         assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
 
@@ -387,6 +387,10 @@ def test_real_shape_gpu(tokens: int) -> None:
         errs["mxfp4 fused fp32"] = err(
             moe_mxfp4_fused(x.float(), w, weights, ids, gub.float(), db.float(), *act)
         )
+    if 32 < tokens * 4 <= 4096:  # the grouped tensor-core GEMM (what moe_mxfp4 takes here; GPU only)
+        from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
+
+        errs["mxfp4 mma grouped"] = err(moe_mxfp4_mma_grouped(x, w, weights, ids, gub, db, *act))
     if tokens * 4 <= 32:  # the GEMV (what moe_mxfp4 takes here): its inline-PTX decode runs on the GPU only
         errs["mxfp4 gemv"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act))
         errs["mxfp4 gemv x in asm"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act, x_in_asm=True))

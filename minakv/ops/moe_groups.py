@@ -41,20 +41,29 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
+def tile_start(tile, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, E_PAD: tl.constexpr,
+               BLOCK_M: tl.constexpr):  # fmt: skip
+    """Tile `tile` -> (its expert (num_experts past the last tile), its first row in sorted order, how many
+    of its BLOCK_M rows are the expert's)."""
+    offs_e = tl.arange(0, E_PAD)
+    ends = tl.load(tile_ends_ptr + offs_e, mask=offs_e < num_experts, other=2**30)
+    expert = tl.sum((ends <= tile).to(tl.int32), 0)  # experts whose tiles all come before this one
+    e = tl.minimum(expert, num_experts - 1)  # keep the loads in bounds; the caller returns past the end
+    skip = (tile - tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)) * BLOCK_M
+    return expert, tl.load(starts_ptr + e) + skip, tl.load(counts_ptr + e) - skip
+
+
+@triton.jit
 def my_tile(order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, N,
              E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """This program's tile -> (expert (num_experts past the last tile), first column, rows in sorted
     order [BLOCK_M], their pair indices, which rows are real)."""
     n_blocks = tl.cdiv(N, BLOCK_N)
-    tile = tl.program_id(0) // n_blocks
-    offs_e = tl.arange(0, E_PAD)
-    ends = tl.load(tile_ends_ptr + offs_e, mask=offs_e < num_experts, other=2**30)
-    expert = tl.sum((ends <= tile).to(tl.int32), 0)  # experts whose tiles all come before this one
-    e = tl.minimum(expert, num_experts - 1)  # keep the loads in bounds; the caller returns past the end
-    first_tile = tl.load(tile_ends_ptr + e - 1, mask=e > 0, other=0)
-    offs_m = (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < tl.load(counts_ptr + e)
-    rows = tl.load(starts_ptr + e) + offs_m
+    expert, row0, left = tile_start(tl.program_id(0) // n_blocks, counts_ptr, starts_ptr, tile_ends_ptr,
+                                    num_experts, E_PAD, BLOCK_M)  # fmt: skip
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < left
+    rows = row0 + offs_m
     pair = tl.load(order_ptr + rows, mask=m_ok, other=0)
     return expert, (tl.program_id(0) % n_blocks) * BLOCK_N, rows, pair, m_ok
 

@@ -131,23 +131,40 @@ MMA_ROWS_U4 = tl.constexpr(_mma_rows_ptx(4))
 MMA_ROWS_U8 = tl.constexpr(_mma_rows_ptx(8))
 
 
-def pair_order(x: torch.Tensor) -> torch.Tensor:
+def pair_order(
+    x: torch.Tensor, order: torch.Tensor | None = None, topk: int = 1, pad: int = 0
+) -> torch.Tensor:
     """[T, K] activations -> fp16 [T, K] in the order the MMA's B fragments read them: within each 8 inputs
-    (one packed word) 0 2 4 6 1 3 5 7. Values beyond fp16's range saturate at +-65504 (one launch)."""
+    (one packed word) 0 2 4 6 1 3 5 7. Values beyond fp16's range saturate at +-65504 (one launch). With
+    `order` (pairs sorted by expert, mxfp4_mma_grouped.py): row r is token order[r] // topk's, then `pad`
+    rows of zeros."""
     t, k = x.shape
-    out = torch.empty(t, k, dtype=torch.float16, device=x.device)
-    _pair_order_kernel[(t, triton.cdiv(k, 1024))](x, out, k, x.stride(0), BLOCK=1024)
+    rows = t if order is None else order.numel() + pad
+    out = torch.empty(rows, k, dtype=torch.float16, device=x.device)
+    src = order if order is not None else out  # (unread without an order)
+    _pair_order_kernel[(rows, triton.cdiv(k, 1024))](
+        x, src, out, k, x.stride(0), rows - pad, topk, HAS_ORDER=order is not None, BLOCK=1024
+    )
     return out
 
 
 @triton.jit
-def _pair_order_kernel(x_ptr, out_ptr, K, stride_x, BLOCK: tl.constexpr):
+def _pair_order_kernel(x_ptr, order_ptr, out_ptr, K, stride_x, num_rows, TOPK, HAS_ORDER: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # destination: input 8j + m comes from 8j + src
     m = offs % 8
     src = offs - m + (m % 4) * 2 + m // 4
-    v = tl.load(x_ptr + tl.program_id(0).to(tl.int64) * stride_x + src, mask=offs < K, other=0.0)
+    ok = offs < K
+    if HAS_ORDER:
+        real = row < num_rows
+        x_row = tl.load(order_ptr + row, mask=real, other=0) // TOPK
+        ok = ok & real
+    else:
+        x_row = row
+    v = tl.load(x_ptr + x_row.to(tl.int64) * stride_x + src, mask=ok, other=0.0)
     v = tl.minimum(tl.maximum(v.to(tl.float32), -65504.0), 65504.0)
-    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * K + offs, v.to(tl.float16), mask=offs < K)
+    tl.store(out_ptr + row.to(tl.int64) * K + offs, v.to(tl.float16), mask=offs < K)
 
 
 @triton.jit

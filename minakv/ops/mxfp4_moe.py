@@ -38,6 +38,7 @@ from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.mxfp4_gemv import finish_gate_up, k_per_split, moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
+from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 from minakv.ops.mxfp4_tile import (
     MODES,
     dot_dtypes,
@@ -49,10 +50,18 @@ from minakv.ops.mxfp4_tile import (
     split_col,
 )
 from minakv.ops.quant import dequantize_mxfp4
-from minakv.ops.triton_util import check, use_triton
+from minakv.ops.triton_util import check, interpreting, use_triton
 
 # the fused kernels up to this many (token, slot) pairs (their id scan grows with them); then the grouped GEMM
 FUSED_MAX_PAIRS = 512
+# the tensor-core grouped GEMM (mxfp4_mma_grouped.py) from pairs > experts up to this many pairs
+MMA_GROUPED_MAX_PAIRS = 4096
+
+
+def mma_grouped_fits(x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
+    """Whether mxfp4_mma_grouped.py serves this layer: compiled runs (inline PTX), and a warp's rows fit
+    (16 of the intermediate size, 16 of the hidden size)."""
+    return not interpreting() and w["gate_up_blocks"].shape[1] >= 32 and x.shape[1] >= 16
 
 
 def moe_mxfp4(
@@ -76,6 +85,8 @@ def moe_mxfp4(
         return moe_mxfp4_ref(*args)
     if topk_ids.numel() <= w["gate_up_blocks"].shape[0]:  # few pairs next to the experts: each read ~once
         return moe_mxfp4_gemv(*args, sum_k=sum_k, **gemv_config(topk_ids.numel()))
+    if topk_ids.numel() <= MMA_GROUPED_MAX_PAIRS and mma_grouped_fits(x, w):
+        return moe_mxfp4_mma_grouped(*args, sum_k=sum_k)
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
         return moe_mxfp4_fused(*args, sum_k=sum_k)
     return moe_mxfp4_grouped(*args)
