@@ -6,12 +6,15 @@ is 1,440 bytes plus 90 scale bytes, against 5,760 in bf16: 3.8x fewer bytes per 
 (61 GB packed, 234 GB in bf16) fits on one GPU.
 
 `moe_mxfp4` computes the same function as `moe_loop` (minakv/ops/moe.py) on `dequantize_mxfp4` of the
-same weights, and picks one of three paths:
+same weights, and picks one of four paths:
 
   pairs <= experts      `moe_mxfp4_gemv` (minakv/ops/mxfp4_gemv.py): a GEMV per pair, on the GPU on the
                         tensor cores (mxfp4_mma.py); at one token 2.3x faster than the fused kernels
                         below on the H200 (RESULTS.md).
-  few pairs (decode)    `moe_mxfp4_fused`, below: the two kernels of fused_moe.py with a packed weight
+  <= 64 pairs an expert `moe_mxfp4_mma_grouped` (mxfp4_mma_grouped.py, compiled runs): pairs grouped by
+                        expert, a grouped GEMM on the tensor cores in inline PTX (decode batches; at
+                        gpt-oss-20b's 256 tokens 0.63 ms a layer against 0.93-1.11 for the two below).
+  few pairs (decode)    `moe_mxfp4_fused`, below (in the interpreter, and where the one above does not fit): the two kernels of fused_moe.py with a packed weight
                         tile. Each program owns (expert, block of output columns), finds its expert's
                         pairs by scanning the id list (no sort), and reads its packed tile once:
 
@@ -54,8 +57,8 @@ from minakv.ops.triton_util import check, interpreting, use_triton
 
 # the fused kernels up to this many (token, slot) pairs (their id scan grows with them); then the grouped GEMM
 FUSED_MAX_PAIRS = 512
-# the tensor-core grouped GEMM (mxfp4_mma_grouped.py) from pairs > experts up to this many pairs
-MMA_GROUPED_MAX_PAIRS = 4096
+# the tensor-core grouped GEMM (mxfp4_mma_grouped.py) from pairs > experts up to this many pairs an expert
+MMA_GROUPED_MAX_PER_EXPERT = 64
 
 
 def mma_grouped_fits(x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
@@ -85,8 +88,9 @@ def moe_mxfp4(
         return moe_mxfp4_ref(*args)
     if topk_ids.numel() <= w["gate_up_blocks"].shape[0]:  # few pairs next to the experts: each read ~once
         return moe_mxfp4_gemv(*args, sum_k=sum_k, **gemv_config(topk_ids.numel()))
-    if topk_ids.numel() <= MMA_GROUPED_MAX_PAIRS and mma_grouped_fits(x, w):
-        return moe_mxfp4_mma_grouped(*args, sum_k=sum_k)
+    num_experts = w["gate_up_blocks"].shape[0]
+    if topk_ids.numel() <= MMA_GROUPED_MAX_PER_EXPERT * num_experts and mma_grouped_fits(x, w):
+        return moe_mxfp4_mma_grouped(*args, sum_k=sum_k, **grouped_config(topk_ids.numel() / num_experts))
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
         return moe_mxfp4_fused(*args, sum_k=sum_k)
     return moe_mxfp4_grouped(*args)
@@ -100,6 +104,13 @@ def gemv_config(num_pairs: int) -> dict:
     if num_pairs <= 4:
         return {"block_n": 4, "groups": 32, "num_warps": 4, "mma": True}
     return {"block_n": 16, "groups": 4, "num_warps": 2, "mma": True}
+
+
+def grouped_config(per_expert: float) -> dict:
+    """The grouped tensor-core GEMM's tiles for this many pairs an expert, measured on the H200 at gpt-oss's
+    shapes (bench/RESULTS.md, "Grouped tensor-core GEMM"): 2 row tiles a warp; 1 pair tile up to 2 pairs an
+    expert, 2 up to 12, 4 beyond."""
+    return {"mr": 2, "nt": 1 if per_expert <= 2 else (2 if per_expert <= 12 else 4), "unroll": 2}
 
 
 def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
