@@ -11,7 +11,9 @@ Paths, each in a fresh engine, one after another in the same process and run:
 
 Sampling: temperature 1, a seed per request, ignore_eos, so every request makes exactly O tokens. A warm-up
 of a few requests runs first (Triton compiles, CUDA graphs captured). Reported per path: wall seconds,
-output tokens/s (the published figure's unit), total (input + output) tokens/s, mean TTFT. The GPU busy
+output tokens/s (the published figure's unit), total (input + output) tokens/s, mean TTFT, and the run cut
+in two phases at the last first token: the prefill phase (every prompt read, while early requests already
+decode) and the decode phase (only decode steps), with the output tokens of each. The GPU busy
 fraction comes from a CUDA-only profile of a window of decode steps (`--busy-window` seconds, while the
 run is in its decode phase). Rows go to $OUT/throughput.json.
 """
@@ -52,6 +54,7 @@ def make_engine(path: str, args: argparse.Namespace) -> Engine:
 
 async def run(engine: Engine, prompts: list[list[int]], output: int, busy_window: float) -> dict:
     ttfts: list[float] = []
+    events: list[tuple[float, int]] = []  # (time, tokens) of every streamed output: the phases' tokens
     start = time.perf_counter()
 
     async def one(i: int, prompt: list[int]) -> int:
@@ -59,6 +62,7 @@ async def run(engine: Engine, prompts: list[list[int]], output: int, busy_window
         first, n = None, 0
         async for out in engine.stream(prompt, params):
             n += len(out.token_ids)
+            events.append((time.perf_counter() - start, len(out.token_ids)))
             if first is None and out.token_ids:
                 first = time.perf_counter()
                 ttfts.append(first - start)
@@ -82,7 +86,11 @@ async def run(engine: Engine, prompts: list[list[int]], output: int, busy_window
     tasks = [one(i, p) for i, p in enumerate(prompts)]
     *counts, busy = await asyncio.gather(*tasks, window())
     wall = time.perf_counter() - start
+    cut = max(ttfts, default=0.0)  # the last first token: from here on, decode steps only
+    late = sum(n for t, n in events if t > cut)
     return {"wall_s": wall, "output_tokens": sum(counts), "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
+            "prefill_phase_s": cut, "prefill_phase_tokens": sum(counts) - late, "decode_phase_s": wall - cut,
+            "decode_phase_tok_s": late / max(wall - cut, 1e-9),
             "gpu_busy_decode_window": busy.get("gpu_busy")}  # fmt: skip
 
 
@@ -114,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
                    total_tok_s=(row["output_tokens"] + args.requests * args.input) / row["wall_s"])  # fmt: skip
         log.add("throughput", **row)
         print(f"{path}: {row['wall_s']:.1f} s, {row['output_tok_s']:.0f} output tok/s, "
-              f"{row['total_tok_s']:.0f} total tok/s, TTFT mean {row['ttft_mean_s']:.2f} s, "
+              f"{row['total_tok_s']:.0f} total tok/s, TTFT mean {row['ttft_mean_s']:.2f} s; prefill phase "
+              f"{row['prefill_phase_s']:.1f} s ({row['prefill_phase_tokens']} output tokens), decode phase "
+              f"{row['decode_phase_s']:.1f} s at {row['decode_phase_tok_s']:.0f} tok/s; "
               f"GPU busy (decode window) {row['gpu_busy_decode_window']}", flush=True)  # fmt: skip
         engine.shutdown()
         del engine

@@ -67,6 +67,9 @@ def test_throughput_tiny(tmp_path: Path) -> None:
     (row,) = [r for r in json.loads((tmp_path / "throughput.json").read_text()) if r["kind"] == "throughput"]
     assert row["output_tokens"] == row["requests"] * row["output"]
     assert row["output_tok_s"] == row["output_tokens"] / row["wall_s"]
+    # the phases split the run at the last first token: every request has its first token by then
+    assert 0 < row["prefill_phase_s"] <= row["wall_s"] and row["decode_phase_s"] >= 0
+    assert row["requests"] <= row["prefill_phase_tokens"] <= row["output_tokens"]
 
 
 def test_bench_mxfp4_tiny(tmp_path: Path) -> None:
