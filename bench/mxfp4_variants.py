@@ -85,6 +85,9 @@ GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX
 MMA_GROUPED = [  # mxfp4_mma_grouped.py: row tiles (16 rows) x pair tiles (8 pairs) a warp, groups a step
     (f"mma grouped mr{mr} nt{nt} u{u}", {"mr": mr, "nt": nt, "unroll": u})
     for mr, nt, u in ((4, 4, 2), (4, 4, 1), (2, 4, 2), (2, 4, 4), (4, 2, 2), (2, 2, 2), (2, 1, 2), (4, 8, 1))
+] + [  # the scales folded into the fp16 weights (no FMAs; the dummy scales, 2^-7, are in its range)
+    (f"mma grouped fold mr{mr} nt{nt} u{u}", {"mr": mr, "nt": nt, "unroll": u, "fold": True})
+    for mr, nt, u in ((2, 1, 2), (2, 2, 2), (2, 4, 2), (2, 8, 1), (4, 8, 1))
 ]
 MMA = [  # the tensor-core GEMV (mxfp4_mma.py): groups a step, split-K for gate/up and down
     (f"gemv mma u{u} split {a},{b}", {"unroll": u, "splits": (a, b)})

@@ -319,7 +319,7 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
     unrolled step and of the warps' shares; H = 96 and I = 160 rows end inside a warp's rows, which then
     moves back), gpt-oss's 90 groups; 48 and 160 pairs over 3 and 4 experts (full and partial pair tiles)."""
     from minakv.ops.mxfp4_mma import moe_mxfp4_mma
-    from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
+    from minakv.ops.mxfp4_mma_grouped import fold_fits, moe_mxfp4_mma_grouped
 
     args, ref = case("swiglu_oai", t, e=e, h=h, i=i, seed=t + h)
     args = [
@@ -333,8 +333,10 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
         parts = moe_mxfp4_mma(*args, sum_k=False, unroll=unroll, splits=splits)
         assert parts.shape == (t, 2 * splits[1], h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
-    for mr, nt, unroll in ((4, 4, 2), (2, 1, 4), (2, 2, 1), (4, 8, 1)):
-        parts = moe_mxfp4_mma_grouped(*args, sum_k=False, mr=mr, nt=nt, unroll=unroll)
+    assert fold_fits(args[1])  # the folded scales' range: quantize_mxfp4 of unit-scale weights is inside
+    for mr, nt, unroll, fold in ((4, 4, 2, False), (2, 1, 4, False), (2, 2, 1, False), (4, 8, 1, False),
+                                 (2, 4, 2, True), (2, 1, 4, True)):  # fmt: skip
+        parts = moe_mxfp4_mma_grouped(*args, sum_k=False, mr=mr, nt=nt, unroll=unroll, fold=fold)
         assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
 
@@ -391,6 +393,9 @@ def test_real_shape_gpu(tokens: int) -> None:
         from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 
         errs["mxfp4 mma grouped"] = err(moe_mxfp4_mma_grouped(x, w, weights, ids, gub, db, *act))
+        errs["mxfp4 mma grouped fold"] = err(
+            moe_mxfp4_mma_grouped(x, w, weights, ids, gub, db, *act, fold=True)
+        )
     if tokens * 4 <= 32:  # the GEMV (what moe_mxfp4 takes here): its inline-PTX decode runs on the GPU only
         errs["mxfp4 gemv"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act))
         errs["mxfp4 gemv x in asm"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act, x_in_asm=True))

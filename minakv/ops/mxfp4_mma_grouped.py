@@ -31,15 +31,26 @@ import triton.language as tl
 from minakv.ops.moe_groups import ACTIVATIONS, group_by_expert, k_parts, tile_start
 from minakv.ops.mxfp4_mma import _DECODE, WARPS, activate_store, pair_order
 
+FRAGMENT = ("a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3")  # A fragments: rows g, g + 8, g, g + 8 each
+FOLD_RANGE = (107, 136)  # scale bytes whose 2^(s - 121) is a normal fp16 and FP4 x 2^(s - 127) exact in fp16
+
+
+def fold_fits(w: dict[str, torch.Tensor]) -> bool:
+    """Whether every scale byte of the layer is in FOLD_RANGE (one host sync: decide once per layer)."""
+    lo, hi = FOLD_RANGE
+    return all(bool(((w[k] >= lo) & (w[k] <= hi)).all()) for k in ("gate_up_scales", "down_scales"))
+
 
 def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], stride_bn: int,
-              stride_sn: int, warp_rows: int, last_row: int, x_row: int) -> str:  # fmt: skip
+              stride_sn: int, warp_rows: int, last_row: int, x_row: int, fold: bool = False) -> str:  # fmt: skip
     """One warp's MR x NT tiles over `groups` groups, `unroll` groups a step. Operands: $0 the thread's
     %tid.x, then the 4 * MR * NT sums (tile (i, c)'s C fragment at 1 + 4 (i NT + c): rows g, g + 8 of row
     tile i (g = lane / 4) times columns 2t, 2t + 1 of pair tile c (t = lane % 4)); inputs: the program's
     first weight row (bytes), its scales, its first pair's fp16 row, the program's first row. row_offs:
     each row tile's first row from the warp's (rows); warp w starts at min(first + w * warp_rows,
-    last_row); x_row: bytes per activation row."""
+    last_row); x_row: bytes per activation row. fold: scale the decoded fp16 weights by 2^(s - 121) with
+    `mul.rn.f16x2` (exact for scale bytes in FOLD_RANGE, `fold_fits`) and accumulate in the MMAs' own C,
+    instead of 4 fp32 FMAs per MMA pair (2 a row tile per pair tile per group)."""
     n_out = 1 + 4 * mr * nt
     wb, sb, xb, r0 = (f"${n_out + j}" for j in range(4))
     regs = [f"w{i}a{j}, w{i}b{j}, s{i}a{j}, s{i}b{j}" for i in range(mr) for j in range(unroll)]
@@ -60,6 +71,21 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
             for i in range(mr):
                 out += _DECODE.format(w=f"w{i}a{j}", p0="a0", p1="a2", p2="b0", p3="b2")
                 out += _DECODE.format(w=f"w{i}b{j}", p0="a1", p1="a3", p2="b1", p3="b3")
+                if fold:  # 2^(s - 121) as fp16 in both halves: biased exponent s - 106 at bits 10 and 26
+                    out += (f"sub.u32 t0, s{i}a{j}, 106; mul.lo.u32 ha, t0, 0x04000400;\n"
+                            f"sub.u32 t0, s{i}b{j}, 106; mul.lo.u32 hb, t0, 0x04000400;\n")  # fmt: skip
+                    out += "".join(
+                        f"mul.rn.f16x2 {r}, {r}, {h};\n" for r, h in zip(FRAGMENT, ("ha", "hb") * 4)
+                    )
+                    for c in range(nt):
+                        e = ", ".join(f"e{i}c{c}k{k}" for k in range(4))
+                        out += (
+                            f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{e}}}, {{a0, a1, a2, a3}}, "
+                            f"{{x{c}q0u{j}, x{c}q1u{j}}}, {{{e}}};\n"
+                            f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{e}}}, {{b0, b1, b2, b3}}, "
+                            f"{{x{c}q2u{j}, x{c}q3u{j}}}, {{{e}}};\n"
+                        )
+                    continue
                 out += (f"add.u32 t0, s{i}a{j}, 6; shl.b32 t0, t0, 23; mov.b32 fa, t0;\n"
                         f"add.u32 t0, s{i}b{j}, 6; shl.b32 t0, t0, 23; mov.b32 fb, t0;\n")  # fmt: skip
                 for c in range(nt):
@@ -83,7 +109,7 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
     )  # fmt: skip
     return (
         "{\n.reg .pred p;\n.reg .b32 tid, lane, warp, g, t, n, r, t0, t1, t2, a0, a1, a2, a3, b0, b1, b2, b3, z;\n"
-        ".reg .b16 h0, h1;\n.reg .b64 wp, sp, xp, o;\n.reg .f32 c0, c1, c2, c3, fa, fb;\n"
+        ".reg .b16 h0, h1;\n.reg .b64 wp, sp, xp, o;\n.reg .f32 c0, c1, c2, c3, fa, fb;\n.reg .b32 ha, hb;\n"
         + "".join(f".reg .b32 {r};\n" for r in regs)
         + "".join(f".reg .f32 {a};\n" for a in acc)
         + f"""mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
@@ -187,10 +213,11 @@ def row_tiles(rows: int, gate_up: bool, mr: int) -> int:
 
 def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                           limit=7.0, alpha=1.702, *, sum_k: bool = True, nt: int = 4, mr: int = 4,
-                          unroll: int = 2) -> torch.Tensor:  # fmt: skip
+                          unroll: int = 2, fold: bool = False) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments), each expert read once per 8 * nt of its pairs (CUDA
     only). nt: pair tiles of 8 a warp; mr: row tiles of 16 a warp (gate/up: half gate, half up; fewer when
-    the weights have fewer rows); unroll: groups a lane loads before it uses any."""
+    the weights have fewer rows); unroll: groups a lane loads before it uses any; fold: the scales folded
+    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`: not yet measured, not dispatched)."""
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     hidden = x.shape[1]
@@ -205,7 +232,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     h = torch.empty(num_pairs + cols, inter, dtype=torch.float16, device=x.device)  # pad rows: never stored
     mr_gu = row_tiles(2 * inter, True, mr)
     asm = tiles_asm(mr_gu, nt, unroll, hidden // 32, [8 * i if i % 2 == 0 else inter + 8 * (i - 1) for i in
-                    range(mr_gu)], gub.stride(1), gus.stride(1), 8 * mr_gu, inter - 8 * mr_gu, 2 * hidden)  # fmt: skip
+                    range(mr_gu)], gub.stride(1), gus.stride(1), 8 * mr_gu, inter - 8 * mr_gu, 2 * hidden, fold)  # fmt: skip
     _gate_up_tiles[(max_tiles, triton.cdiv(inter, WARPS.value * 8 * mr_gu))](
         xs, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, *plan, h, num_experts, inter,
         float(limit), float(alpha), gub.stride(0), gus.stride(0),
@@ -215,7 +242,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     )  # fmt: skip
     mr_d = row_tiles(hidden, False, mr)
     asm = tiles_asm(mr_d, nt, unroll, inter // 32, [16 * i for i in range(mr_d)], db.stride(1), ds.stride(1),
-                    16 * mr_d, hidden - 16 * mr_d, 2 * inter)  # fmt: skip
+                    16 * mr_d, hidden - 16 * mr_d, 2 * inter, fold)  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_tiles[(max_tiles, triton.cdiv(hidden, WARPS.value * 16 * mr_d))](
