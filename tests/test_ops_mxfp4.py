@@ -414,3 +414,22 @@ def test_real_shape_gpu(tokens: int) -> None:
             assert v < 1e-5, (name, v)
         elif name.startswith("mxfp4"):
             assert v < 1e-2 and v < 2 * bf16_err + 1e-3, (name, v, bf16_err)
+
+
+def test_prefill_mode() -> None:
+    """The prefill path dequantizes to bf16 once only with many pairs an expert and a small enough copy:
+    gpt-oss-20b's 32 experts (1.6 GB in bf16) from 512 pairs an expert; never 120b's 128 (6.4 GB a layer),
+    nor fp32 activations."""
+    from minakv.ops.mxfp4_moe import prefill_mode
+
+    def layer(e: int) -> dict[str, torch.Tensor]:
+        return {
+            "gate_up_blocks": torch.empty(e, 5760, 90, 16, dtype=torch.uint8, device="meta"),
+            "down_blocks": torch.empty(e, 2880, 90, 16, dtype=torch.uint8, device="meta"),
+        }
+
+    x = torch.empty(1, 2880, dtype=torch.bfloat16, device="meta")
+    assert prefill_mode(512 * 32, x, layer(32)) == "bf16"
+    assert prefill_mode(512 * 32 - 1, x, layer(32)) == "scaled"
+    assert prefill_mode(4096 * 128, x, layer(128)) == "scaled"
+    assert prefill_mode(512 * 32, x.float(), layer(32)) == "scaled"
