@@ -298,12 +298,16 @@ def test_dequant_tile_is_exact_gpu(bf16: bool) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pair_order(dtype: torch.dtype) -> None:
     """The tensor-core GEMV's activations: fp16, inputs 0 2 4 6 1 3 5 7 of each 8, saturated at fp16's max."""
-    from minakv.ops.mxfp4_mma import pair_order
+    from minakv.ops.mxfp4_order import pair_order
 
     x = torch.randn(3, 2880).to(dtype)
     x[0, 5], x[2, 7] = 1e6, -1e6
     ref = x.float().view(3, 360, 4, 2).transpose(-1, -2).clamp(-65504, 65504).half().reshape(3, 2880)
     assert torch.equal(pair_order(x), ref)
+    # gathered for the grouped kernels: row r is token order[r] // topk's, then zero rows
+    order = torch.tensor([5, 0, 4, 1, 3, 2])  # pairs of 3 tokens x 2 slots, sorted by some expert order
+    rows = pair_order(x, order, topk=2, pad=3)
+    assert rows.shape == (9, 2880) and torch.equal(rows[:6], ref[order // 2]) and not rows[6:].any()
 
 
 @pytest.mark.gpu

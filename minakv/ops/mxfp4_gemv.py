@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
-from minakv.ops.mxfp4_mma import moe_mxfp4_mma, pair_position
+from minakv.ops.mxfp4_mma import moe_mxfp4_mma
+from minakv.ops.mxfp4_order import pair_position
 from minakv.ops.mxfp4_ptx import dot8, dot8_load
 from minakv.ops.mxfp4_tile import packed_shapes, split_col
 from minakv.ops.triton_util import interpreting, ptx_loads_ok
@@ -259,7 +260,7 @@ def gate_up_finish(
     """Split-K's end for gate/up (this module's, mxfp4_moe's, mxfp4_mma's): sum the fp32 partials [splits,
     pairs, gate I | up I] of one pair's columns in split order (deterministic), add the expert's bias, apply
     the activation -> h, column n at n (COLS 0), [even columns | odd columns] (1), or in the tensor-core
-    GEMV's pair order (2, mxfp4_mma.pair_position)."""
+    GEMV's pair order (2, mxfp4_order.pair_position)."""
     pair = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
+from minakv.ops.mxfp4_order import pair_order, pair_position
 
 WARPS = tl.constexpr(4)  # per program: they split the groups of the same 16 rows, then add their sums
 ROWS = 16  # weight rows per program
@@ -131,42 +132,6 @@ MMA_ROWS_U4 = tl.constexpr(_mma_rows_ptx(4))
 MMA_ROWS_U8 = tl.constexpr(_mma_rows_ptx(8))
 
 
-def pair_order(
-    x: torch.Tensor, order: torch.Tensor | None = None, topk: int = 1, pad: int = 0
-) -> torch.Tensor:
-    """[T, K] activations -> fp16 [T, K] in the order the MMA's B fragments read them: within each 8 inputs
-    (one packed word) 0 2 4 6 1 3 5 7. Values beyond fp16's range saturate at +-65504 (one launch). With
-    `order` (pairs sorted by expert, mxfp4_mma_grouped.py): row r is token order[r] // topk's, then `pad`
-    rows of zeros."""
-    t, k = x.shape
-    rows = t if order is None else order.numel() + pad
-    out = torch.empty(rows, k, dtype=torch.float16, device=x.device)
-    src = order if order is not None else out  # (unread without an order)
-    _pair_order_kernel[(rows, triton.cdiv(k, 1024))](
-        x, src, out, k, x.stride(0), rows - pad, topk, HAS_ORDER=order is not None, BLOCK=1024
-    )
-    return out
-
-
-@triton.jit
-def _pair_order_kernel(x_ptr, order_ptr, out_ptr, K, stride_x, num_rows, TOPK, HAS_ORDER: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # destination: input 8j + m comes from 8j + src
-    m = offs % 8
-    src = offs - m + (m % 4) * 2 + m // 4
-    ok = offs < K
-    if HAS_ORDER:
-        real = row < num_rows
-        x_row = tl.load(order_ptr + row, mask=real, other=0) // TOPK
-        ok = ok & real
-    else:
-        x_row = row
-    v = tl.load(x_ptr + x_row.to(tl.int64) * stride_x + src, mask=ok, other=0.0)
-    v = tl.minimum(tl.maximum(v.to(tl.float32), -65504.0), 65504.0)
-    tl.store(out_ptr + row.to(tl.int64) * K + offs, v.to(tl.float16), mask=offs < K)
-
-
 @triton.jit
 def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
               UNROLL: tl.constexpr):  # fmt: skip
@@ -200,12 +165,6 @@ def _groups(num_groups, G_SPLIT):
     """This program's groups [lo, hi) of the input: split program_id(2) of G_SPLIT groups each."""
     lo = tl.program_id(2) * G_SPLIT
     return lo, tl.minimum(lo + G_SPLIT, num_groups)
-
-
-@triton.jit
-def pair_position(n):
-    """Where input n of a row sits in pair order (`pair_order`): 8j + m goes to 8j + m // 2 + 4 (m % 2)."""
-    return (n // 8) * 8 + (n % 8) // 2 + 4 * (n % 2)
 
 
 @triton.jit

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, group_by_expert, k_parts, tile_start
-from minakv.ops.mxfp4_mma import _DECODE, WARPS, activate_store, pair_order
+from minakv.ops.mxfp4_mma import _DECODE, WARPS, activate_store
+from minakv.ops.mxfp4_order import pair_order
 
 FRAGMENT = ("a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3")  # A fragments: rows g, g + 8, g, g + 8 each
 FOLD_RANGE = (107, 136)  # scale bytes whose 2^(s - 121) is a normal fp16 and FP4 x 2^(s - 127) exact in fp16
