@@ -12,8 +12,9 @@ gate/up, warps 0-1 the gate rows and 2-3 the up rows, half of the groups each (s
             pairs (0, 2) (4, 6) | (1, 3) (5, 7): the A fragments of the two MMAs (inputs are summed, so
             any order of k does, if the activations' B fragments follow it)
     B       lane (g, t) loads word t's inputs of column g as fp16 in the same order (`pair_order`); here
-            every column reads the pair's (mxfp4_mma_grouped.py gives each its own pair)
-    C       a group's fp32 sums, times the rows' scales 2^(s - 127 + 6), added to the accumulators
+            every column reads the pair's (mxfp4_mma_grouped.py gives each its own pairs)
+    C       a group's fp32 sums of column 0 (lanes t = 0), times the rows' scales 2^(s - 127 + 6),
+            added to the accumulators
 
 About 2.5 instructions per weight in the loop's SASS against ~5-6, exact: FP4 * 2^-6 is an fp16, products
 and sums are fp32. The activations go to fp16 (exact for |x| in [2^-14, 65504], saturated beyond; gate/up's
@@ -54,8 +55,7 @@ _LOAD = """@{p}ld.global.nc.b32 wa{j}, [wpa+{w}]; @{p}ld.global.nc.u8 sa{j}, [sp
 _MMA = """@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{a0, a1, a2, a3}}, {{x0{j}, x1{j}}}, {{z, z, z, z}};
 @{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{b0, b1, b2, b3}}, {{x2{j}, x3{j}}}, {{c0, c1, c2, c3}};
 add.u32 sa{j}, sa{j}, 6; shl.b32 sa{j}, sa{j}, 23; mov.b32 fa, sa{j}; add.u32 sb{j}, sb{j}, 6; shl.b32 sb{j}, sb{j}, 23;
-mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e1, c1, fa, e1;
-@{p}fma.rn.f32 e2, c2, fb, e2; @{p}fma.rn.f32 e3, c3, fb, e3;
+mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e2, c2, fb, e2;
 """
 
 
@@ -76,13 +76,12 @@ def _step(unroll: int, tail: bool) -> str:
 
 
 def _mma_rows_ptx(unroll: int) -> str:
-    """The PTX of one lane's work, `unroll` groups a step. Operands: $0 the lane, $1..$4 its warp's partial
-    sums over the warp's share of the groups, in C fragment order: rows g and g + 8 (g = lane / 4) times
-    columns 2t and 2t + 1 (t = lane % 4), (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1); $5 first row's bytes,
-    $6 its scales, $7 this lane's column's fp16 inputs (pair order), $8 / $9 bytes per row of blocks /
-    scales, $14 / $10 first and end group, $11 rows left from the first, $12 groups per warp, $13 warps per
-    row set (warp w takes share w % $13). Rows past the last read the last row, columns past the last any
-    real inputs: their sums are not stored."""
+    """The PTX of one lane's work, `unroll` groups a step. Operands: $0 the lane, $1 / $2 its warp's partial
+    sums over the warp's share of the groups for rows g and g + 8 (g = lane / 4) of C column 2t (t = lane %
+    4: the pair's column 0 is t = 0's); $3 first row's bytes, $4 its scales, $5 this lane's column's fp16
+    inputs (pair order), $6 / $7 bytes per row of blocks / scales, $12 / $8 first and end group, $9 rows
+    left from the first, $10 groups per warp, $11 warps per row set (warp w takes share w % $11). Rows
+    past the last read the last row."""
     regs = "".join(
         f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
         for j in range(unroll)
@@ -93,21 +92,20 @@ def _mma_rows_ptx(unroll: int) -> str:
 .reg .b32 tid, lane, warp, g, t, ra, rb, la, lb, n, hi, t0, t1, t2, a0, a1, a2, a3, b0, b1, b2, b3, z;
 .reg .b16 h0, h1;
 .reg .b64 wpa, wpb, spa, spb, xp, o;
-.reg .f32 c0, c1, c2, c3, e0, e1, e2, e3, fa, fb;
+.reg .f32 c0, c1, c2, c3, e0, e2, fa, fb;
 """
         + regs
         + """mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
-mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $11, 1; min.s32 la, la, ra; sub.s32 lb, $11, 1; min.s32 lb, lb, rb;
+mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $9, 1; min.s32 la, la, ra; sub.s32 lb, $9, 1; min.s32 lb, lb, rb;
 setp.eq.u32 qt, g, g;
-rem.u32 n, warp, $13; mul.lo.u32 n, n, $12; add.u32 n, n, $14; add.u32 hi, n, $12; min.s32 hi, hi, $10;
-mul.wide.u32 o, la, $8; add.s64 wpa, $5, o; mul.wide.u32 o, lb, $8; add.s64 wpb, $5, o;
+rem.u32 n, warp, $11; mul.lo.u32 n, n, $10; add.u32 n, n, $12; add.u32 hi, n, $10; min.s32 hi, hi, $8;
+mul.wide.u32 o, la, $6; add.s64 wpa, $3, o; mul.wide.u32 o, lb, $6; add.s64 wpb, $3, o;
 mul.wide.u32 o, n, 16; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
 mul.wide.u32 o, t, 4; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
-mul.wide.u32 o, la, $9; add.s64 spa, $6, o; mul.wide.u32 o, lb, $9; add.s64 spb, $6, o;
+mul.wide.u32 o, la, $7; add.s64 spa, $4, o; mul.wide.u32 o, lb, $7; add.s64 spb, $4, o;
 cvt.u64.u32 o, n; add.s64 spa, spa, o; add.s64 spb, spb, o;
-mul.wide.u32 o, t, 16; add.s64 xp, $7, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
-mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e1, 0f00000000; mov.f32 e2, 0f00000000;
-mov.f32 e3, 0f00000000;
+mul.wide.u32 o, t, 16; add.s64 xp, $5, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
+mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e2, 0f00000000;
 LOOP${:uid}:
 """
         + f"""add.s32 n0, n, {unroll}; setp.gt.s32 qe, n0, hi;
@@ -123,7 +121,7 @@ setp.lt.s32 qe, n, hi;
 """
         + _step(unroll, tail=True)
         + """DONE${:uid}:
-mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e1; mov.b32 $3, e2; mov.b32 $4, e3;
+mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e2;
 }"""
     )
 
@@ -135,22 +133,21 @@ MMA_ROWS_U8 = tl.constexpr(_mma_rows_ptx(8))
 @triton.jit
 def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
               UNROLL: tl.constexpr):  # fmt: skip
-    """The work of MMA_ROWS_U4/U8 for this program's warps -> (lane [32], four [WARPS, 32] partial sums in
-    C fragment order, `_mma_rows_ptx`). w_rows / s_rows / x_rows: [32 * WARPS] pointers, one per thread (the
+    """The work of MMA_ROWS_U4/U8 for this program's warps -> (lane [32], [WARPS, 32] partial sums of rows
+    g and g + 8, `_mma_rows_ptx`). w_rows / s_rows / x_rows: [32 * WARPS] pointers, one per thread (the
     first weight row, its scales, the thread's column's inputs); the warps form SETS row sets (the warps of
     a set split its groups). One element per thread, so lane l of warp w is element 32 w + l."""
     zero = tl.arange(0, 32 * WARPS) * 0
     per_warp = tl.cdiv(g_hi - g_lo, WARPS // SETS)
-    lane, s0, s1, s2, s3 = tl.inline_asm_elementwise(
-        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
+    lane, s0, s1 = tl.inline_asm_elementwise(
+        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
         [w_rows.to(tl.int64), s_rows.to(tl.int64), x_rows.to(tl.int64), (zero + stride_bn).to(tl.int32),
          (zero + stride_sn).to(tl.int32), (zero + g_hi).to(tl.int32), (zero + rows_left).to(tl.int32),
          (zero + per_warp).to(tl.int32), (zero + WARPS // SETS).to(tl.int32), (zero + g_lo).to(tl.int32)],
-        dtype=(tl.int32, tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1,
+        dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1,
     )  # fmt: skip
     lane = tl.max(tl.reshape(lane, (WARPS, 32)), 0)  # the same in every warp
-    s0, s1 = tl.reshape(s0, (WARPS, 32)), tl.reshape(s1, (WARPS, 32))
-    return lane, s0, s1, tl.reshape(s2, (WARPS, 32)), tl.reshape(s3, (WARPS, 32))
+    return lane, tl.reshape(s0, (WARPS, 32)), tl.reshape(s1, (WARPS, 32))
 
 
 @triton.jit
@@ -211,7 +208,7 @@ def _gate_up_mma(
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     g_lo, g_hi = _groups(H // 32, G_SPLIT)
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
-    lane, sum_a, _, sum_b, _ = mma_rows(
+    lane, sum_a, sum_b = mma_rows(
         w_rows, s_rows, x_row + zero, stride_bn, stride_sn, g_lo, g_hi, I - row0, SETS=2, UNROLL=UNROLL
     )
     row = tl.where(lane % 4 == 0, lane // 4, -1)  # column 0 (the pair) is held by the lanes of t = 0
@@ -244,7 +241,7 @@ def _down_mma(
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     g_lo, g_hi = _groups(I // 32, G_SPLIT)
-    lane, sum_a, _, sum_b, _ = mma_rows(
+    lane, sum_a, sum_b = mma_rows(
         w_rows, s_rows, h_row + zero, stride_bn, stride_sn, g_lo, g_hi, H - row0, SETS=1, UNROLL=UNROLL
     )
     row = tl.where(lane % 4 == 0, lane // 4, -1)
