@@ -77,3 +77,14 @@ def test_a_dummy_minimax_engine_keeps_fp8_weights(tmp_path: Path) -> None:
     assert layer.mlp.experts.fp8 and layer.mlp.experts.gate_up.dtype == torch.float8_e4m3fn
     out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_the_engine_decides_once_whether_the_scales_fold(tmp_path: Path) -> None:
+    """Dummy MXFP4 scales (2^-7, byte 120) fold into the weights (mxfp4_mma_grouped.FOLD_RANGE); one byte
+    outside the range turns folding off for its layer only, when the model is fused again."""
+    engine = Engine(str(small(tmp_path)), load_format="dummy", kv_cache_tokens=256)
+    first, second = (layer.mlp.experts for layer in engine.model.layers)
+    assert first.fold and second.fold
+    first.down_scales[0, 0, 0] = 137
+    engine.model.fuse()
+    assert not first.fold and second.fold

@@ -437,3 +437,15 @@ def test_prefill_mode() -> None:
     assert prefill_mode(512 * 32 - 1, x, layer(32)) == "scaled"
     assert prefill_mode(4096 * 128, x, layer(128)) == "scaled"
     assert prefill_mode(512 * 32, x.float(), layer(32)) == "scaled"
+
+
+def test_grouped_config_folds_only_where_it_was_faster() -> None:
+    """The tiles of the grouped tensor-core GEMM (measured, RESULTS.md): folded scales only from 13 pairs an
+    expert and only where the layer allows it."""
+    from minakv.ops.mxfp4_moe import grouped_config
+
+    assert grouped_config(2, fold=True) == {"mr": 2, "nt": 1, "unroll": 2}
+    assert grouped_config(12, fold=True) == {"mr": 2, "nt": 2, "unroll": 2}
+    assert grouped_config(64) == {"mr": 2, "nt": 4, "unroll": 2}
+    assert grouped_config(32, fold=True) == {"mr": 2, "nt": 4, "unroll": 2, "fold": True}
+    assert grouped_config(64, fold=True) == {"mr": 2, "nt": 8, "unroll": 1, "fold": True}

@@ -19,6 +19,7 @@ from torch import nn
 from minakv.model.config import ModelConfig
 from minakv.model.layers import CausalLM
 from minakv.ops.moe import moe, route_softmax_topk
+from minakv.ops.mxfp4_mma_grouped import fold_fits
 from minakv.ops.mxfp4_moe import moe_mxfp4
 from minakv.ops.routing import FUSED_MAX_TOKENS, route_softmax_topk_fused
 from minakv.ops.triton_util import use_triton
@@ -50,6 +51,7 @@ class GptOssExperts(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(e, h))
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         self.sum_k = True  # False: the decode kernels may return k parts for the next norm (GptOssMoE)
+        self.fold = False  # the scales fold into the weights in the grouped GEMM: `fuse`
 
     @property
     def mxfp4(self) -> dict[str, torch.Tensor] | None:
@@ -60,10 +62,17 @@ class GptOssExperts(nn.Module):
             n: getattr(self, n) for n in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
         }
 
+    def fuse(self) -> None:
+        """Decide once, with the weights in place, whether the grouped tensor-core GEMM may fold each scale
+        into its weights (every scale byte in its exact range; a host sync, so before any CUDA graph)."""
+        self.fold = self.packed and fold_fits(self.mxfp4)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         args = {"activation": "swiglu_oai", "limit": self.limit, "alpha": self.alpha, "sum_k": self.sum_k}
         if self.packed:
-            return moe_mxfp4(x, self.mxfp4, weights, ids, self.gate_up_bias, self.down_bias, **args)
+            return moe_mxfp4(
+                x, self.mxfp4, weights, ids, self.gate_up_bias, self.down_bias, fold=self.fold, **args
+            )
         return moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias, **args)
 
 

@@ -218,9 +218,11 @@ class CausalLM(nn.Module):
         return [layer.self_attn.spec for layer in self.layers]
 
     def fuse(self) -> None:
-        """Merge what serving runs faster merged (each layer's q/k/v projections); the weights stay shared."""
-        for layer in self.layers:
-            layer.self_attn.fuse()
+        """Merge what serving runs faster merged (each layer's q/k/v projections; the weights stay shared),
+        and let modules that depend on their weights' values decide now (GptOssExperts: folded scales)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse"):
+                module.fuse()
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -218,7 +218,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     """`moe_mxfp4_gemv`'s result (its first arguments), each expert read once per 8 * nt of its pairs (CUDA
     only). nt: pair tiles of 8 a warp; mr: row tiles of 16 a warp (gate/up: half gate, half up; fewer when
     the weights have fewer rows); unroll: groups a lane loads before it uses any; fold: the scales folded
-    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`: not yet measured, not dispatched)."""
+    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`)."""
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     hidden = x.shape[1]

@@ -13,7 +13,8 @@ same weights, and picks one of four paths:
                         below on the H200 (RESULTS.md).
   <= 64 pairs an expert `moe_mxfp4_mma_grouped` (mxfp4_mma_grouped.py, compiled runs): pairs grouped by
                         expert, a grouped GEMM on the tensor cores in inline PTX (decode batches; at
-                        gpt-oss-20b's 256 tokens 0.63 ms a layer against 0.93-1.11 for the two below).
+                        gpt-oss-20b's 256 tokens 0.54 ms a layer against 0.94-1.13 for the two below);
+                        up to 256 where the layer's scales fold into its weights (`fold`).
   few pairs (decode)    `moe_mxfp4_fused`, below (in the interpreter, and where the one above does not fit): the two kernels of fused_moe.py with a packed weight
                         tile. Each program owns (expert, block of output columns), finds its expert's
                         pairs by scanning the id list (no sort), and reads its packed tile once:
@@ -60,8 +61,9 @@ from minakv.ops.triton_util import check, interpreting, use_triton
 FUSED_MAX_PAIRS = 512
 # prefill: dequantize a layer's experts to bf16 once from this many pairs an expert, if the copy fits in
 BF16_ONCE_PER_EXPERT, BF16_ONCE_MAX_BYTES = 512, 2 << 30
-# the tensor-core grouped GEMM (mxfp4_mma_grouped.py) from pairs > experts up to this many pairs an expert
-MMA_GROUPED_MAX_PER_EXPERT = 64
+# the tensor-core grouped GEMM (mxfp4_mma_grouped.py) from pairs > experts up to this many pairs an expert,
+# or the second where the scales fold into the weights (there it beats the dot_scaled grouped GEMM up to 128)
+MMA_GROUPED_MAX_PER_EXPERT, MMA_FOLD_MAX_PER_EXPERT = 64, 256
 
 
 def mma_grouped_fits(x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
@@ -83,17 +85,23 @@ def moe_mxfp4(
     limit: float = 7.0,
     alpha: float = 1.702,
     sum_k: bool = True,
+    fold: bool = False,
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype, the experts packed.
-    sum_k=False lets the decode kernel return its k parts [T, k, H] fp32 (see `moe`)."""
+    sum_k=False lets the decode kernel return its k parts [T, k, H] fp32 (see `moe`). fold: every scale
+    byte of the layer is in mxfp4_mma_grouped.FOLD_RANGE (`fold_fits`, decided once at load), so the
+    grouped tensor-core GEMM may fold the scales into the weights."""
     args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if not use_triton(x):
         return moe_mxfp4_ref(*args)
     if topk_ids.numel() <= w["gate_up_blocks"].shape[0]:  # few pairs next to the experts: each read ~once
         return moe_mxfp4_gemv(*args, sum_k=sum_k, **gemv_config(topk_ids.numel()))
     num_experts = w["gate_up_blocks"].shape[0]
-    if topk_ids.numel() <= MMA_GROUPED_MAX_PER_EXPERT * num_experts and mma_grouped_fits(x, w):
-        return moe_mxfp4_mma_grouped(*args, sum_k=sum_k, **grouped_config(topk_ids.numel() / num_experts))
+    most = MMA_FOLD_MAX_PER_EXPERT if fold else MMA_GROUPED_MAX_PER_EXPERT
+    if topk_ids.numel() <= most * num_experts and mma_grouped_fits(x, w):
+        return moe_mxfp4_mma_grouped(
+            *args, sum_k=sum_k, **grouped_config(topk_ids.numel() / num_experts, fold)
+        )
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
         return moe_mxfp4_fused(*args, sum_k=sum_k)
     return moe_mxfp4_grouped(*args, mode=prefill_mode(topk_ids.numel(), x, w))
@@ -119,11 +127,20 @@ def prefill_mode(num_pairs: int, x: torch.Tensor, w: dict[str, torch.Tensor]) ->
     return "bf16" if many and x.dtype == torch.bfloat16 and 4 * blocks <= BF16_ONCE_MAX_BYTES else "scaled"
 
 
-def grouped_config(per_expert: float) -> dict:
+def grouped_config(per_expert: float, fold: bool = False) -> dict:
     """The grouped tensor-core GEMM's tiles for this many pairs an expert, measured on the H200 at gpt-oss's
-    shapes (bench/RESULTS.md, "Grouped tensor-core GEMM"): 2 row tiles a warp; 1 pair tile up to 2 pairs an
-    expert, 2 up to 12, 4 beyond."""
-    return {"mr": 2, "nt": 1 if per_expert <= 2 else (2 if per_expert <= 12 else 4), "unroll": 2}
+    shapes (bench/RESULTS.md, "Grouped tensor-core GEMM", "Scales folded"): 2 row tiles a warp; 1 pair tile
+    up to 2 pairs an expert, 2 up to 12 (folding loses there), then 4; where the layer folds: 4 folded up
+    to 32, 8 folded (loads not unrolled, for registers) beyond."""
+    if per_expert <= 2:
+        return {"mr": 2, "nt": 1, "unroll": 2}
+    if per_expert <= 12 or not fold:
+        return {"mr": 2, "nt": 2 if per_expert <= 12 else 4, "unroll": 2}
+    return (
+        {"mr": 2, "nt": 4, "unroll": 2, "fold": True}
+        if per_expert <= 32
+        else {"mr": 2, "nt": 8, "unroll": 1, "fold": True}
+    )
 
 
 def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
