@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--busy-window", type=float, default=2.0, help="seconds of decode profiled (CUDA)")
     p.add_argument("--tiny", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval: how long a thread may keep "
+                   "the GIL while another waits (CPython's default 0.005 s)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     if args.tiny:
         args.requests, args.input, args.output, args.max_num_seqs = 4, 16, 4, 8
     log = Log()
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.generate(warm, SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True))
         prompts = torch.randint(0, hi, (args.requests, args.input), generator=gen).tolist()
         row = asyncio.run(run(engine, prompts, args.output, args.busy_window))
-        row.update(path=path, requests=args.requests, input=args.input, output=args.output,
+        row.update(path=path, switch_interval=sys.getswitchinterval(), requests=args.requests, input=args.input, output=args.output,
                    output_tok_s=row["output_tokens"] / row["wall_s"],
                    total_tok_s=(row["output_tokens"] + args.requests * args.input) / row["wall_s"])  # fmt: skip
         log.add("throughput", **row)

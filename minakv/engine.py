@@ -343,19 +343,29 @@ class Engine:
                 self._closing = True
 
     def _deliver(self, changed: list[Request]) -> None:
-        """Hand each changed request's news to its stream (on the stream's own event loop)."""
-        for r in changed:
-            with self._lock:
-                target = self._streams.get(r.request_id)
+        """Hand each changed request's news to its stream, on the stream's own event loop: one callback per
+        loop per step, whatever the batch (a callback per stream would wake the loop through its self-pipe
+        hundreds of times a step, and the loop's thread would hold the GIL the engine thread needs)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            targets = [(r, self._streams.get(r.request_id)) for r in changed]
+        for r, target in targets:
             if target is None:
                 continue
             loop, queue = target
             out = r.output(incremental=True)
             if out.token_ids or out.text or out.finish_reason is not None:
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
-                except RuntimeError:  # that event loop is closed: its caller is gone
-                    pass
+                batches.setdefault(loop, []).append((queue, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: its callers are gone
+                pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 def freeze_imports() -> None:

@@ -88,3 +88,22 @@ def test_fused_kernels_match_reference(activation: str, t: int, e: int, k: int, 
         ours = moe_fused(*args, activation, 1.0, 1.702, block_m=block_m, **blocks)
         assert ours.dtype == torch.float32 and ours.shape == ref.shape
         torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without F.grouped_mm")
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (40, 16, 4)])
+def test_grouped_epilogue_kernels_match_reference(
+    monkeypatch, activation: str, t: int, e: int, k: int
+) -> None:
+    """`moe_grouped` with its bias + activation and weighted-sum passes in Triton (grouped_epilogue.py, run
+    interpreted): the same function as the float64 reference, with and without biases, experts unused."""
+    from minakv.ops import triton_util
+
+    monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
+    args = case(activation, t, e, k, seed=t * 100 + e, unused=(0, 5) if t == 40 else ())
+    ref = moe_reference(*args, activation, 1.0, 1.702)
+    ours = moe_grouped(*args, activation, 1.0, 1.702)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)

@@ -16,7 +16,8 @@ All weights are (out, in), like nn.Linear, so `x @ w.T` is a projection.
   is a host sync, which is free on CPU and costly on a GPU.
 - `moe_grouped` (CUDA, bf16/fp16): the same grouping, but one grouped GEMM (`F.grouped_mm`) per projection
   over all experts at once. No host sync (so a decode step can be captured in a CUDA graph), and only the
-  weights of experts that got tokens are read, which is what decode at small batch is bound by.
+  weights of experts that got tokens are read, which is what decode at small batch is bound by. On the GPU
+  the bias, activation and weighted sum around the two GEMMs are one Triton pass each (grouped_epilogue.py).
 - `moe_dense` (CUDA, other dtypes, few tokens): every token through every expert with a batched matmul,
   combined with a [T, E] weight matrix that is zero off the chosen experts. Wasteful in bytes, but sync-free
   and exact in fp32, so small fp32 models can be graph-captured too.
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from minakv.ops.fused_moe import moe_fused
+from minakv.ops.grouped_epilogue import activate_rows, sum_rows
 from minakv.ops.triton_util import use_triton
 
 DENSE_MAX_PAIRS = 4096  # moe_dense only while tokens * experts stays small (it computes every pair)
@@ -137,6 +139,10 @@ def moe_grouped(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, dow
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x.index_select(0, order // k)
     h = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+    if use_triton(h):  # the bias, activation and the sum over slots in one pass each (grouped_epilogue.py)
+        a = activate_rows(h, gate_up_bias, expert_of, activation, limit, alpha)
+        y = F.grouped_mm(a, down.transpose(1, 2), offs=offs)
+        return sum_rows(y, down_bias, order, topk_weights, topk_ids, x.dtype)
     if gate_up_bias is not None:
         h = h + gate_up_bias.index_select(0, expert_of)
     h = activate(h, activation, limit, alpha)
