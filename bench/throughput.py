@@ -25,6 +25,7 @@ import asyncio
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from agent_replay import MAX_TOKEN_ID, gpu_busy
 from common import Log
 from e2e_decode import DEVICE, build_ours, configs
+from host_sampler import print_samples, sample_thread
 
 from minakv import Engine, SamplingParams
 
@@ -52,7 +54,9 @@ def make_engine(path: str, args: argparse.Namespace) -> Engine:
     raise ValueError(f"unknown path {path!r} (expected mxfp4 or bf16)")
 
 
-async def run(engine: Engine, prompts: list[list[int]], output: int, busy_window: float) -> dict:
+async def run(
+    engine: Engine, prompts: list[list[int]], output: int, busy_window: float, sample_host: bool = False
+) -> dict:
     ttfts: list[float] = []
     events: list[tuple[float, int]] = []  # (time, tokens) of every streamed output: the phases' tokens
     start = time.perf_counter()
@@ -76,11 +80,14 @@ async def run(engine: Engine, prompts: list[list[int]], output: int, busy_window
             return {}
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        stacks = sample_thread(engine._thread) if sample_host else nullcontext({})
+        with profile(activities=[ProfilerActivity.CUDA]) as prof, stacks as found:
             t = time.perf_counter()
             await asyncio.sleep(busy_window)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
+        if sample_host:
+            print_samples(found, "the engine thread in the decode phase")
         return gpu_busy(prof, wall)
 
     tasks = [one(i, p) for i, p in enumerate(prompts)]
@@ -105,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--busy-window", type=float, default=2.0, help="seconds of decode profiled (CUDA)")
     p.add_argument("--tiny", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    p.add_argument(
+        "--sample-host", action="store_true", help="sample the engine thread's stacks in the window"
+    )
     p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval: how long a thread may keep "
                    "the GIL while another waits (CPython's default 0.005 s)")  # fmt: skip
     args = p.parse_args(argv)
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         warm = torch.randint(0, hi, (min(8, args.requests), args.input), generator=gen).tolist()
         engine.generate(warm, SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True))
         prompts = torch.randint(0, hi, (args.requests, args.input), generator=gen).tolist()
-        row = asyncio.run(run(engine, prompts, args.output, args.busy_window))
+        row = asyncio.run(run(engine, prompts, args.output, args.busy_window, args.sample_host))
         row.update(path=path, switch_interval=sys.getswitchinterval(), requests=args.requests, input=args.input, output=args.output,
                    output_tok_s=row["output_tokens"] / row["wall_s"],
                    total_tok_s=(row["output_tokens"] + args.requests * args.input) / row["wall_s"])  # fmt: skip
