@@ -51,8 +51,9 @@ def add_decode(
         if split and r.penalty_row >= 0:  # counted on the prefill worker so far
             batch.penalty_resets.append((r.penalty_row, r.prompt_ids, list(r.output_ids)))
     r.decode_keys.append(e)
-    batch.write_row(r.row, r.row_len, [slot], [r.next_pos])
-    r.row_len += 1
+    r.row_len += (
+        1  # the new key's table write follows from the columns below (ForwardBatch.decode_key_writes)
+    )
     # the input: a known token, or the one the previous step samples for r (still on the device)
     batch.input_ids.append(r.token_at(t) if r.pending == 0 else -(r.sample_row + 1))
     batch.positions.append(r.next_pos)

@@ -198,7 +198,9 @@ class Scheduler:
                 self._preempt(self.running[-1])
 
     def _admit(self) -> list[Request]:
-        failed = []
+        failed: list[Request] = []
+        if not self.waiting:  # (the sum below is per running request: skip it when there is nothing to admit)
+            return failed
         # prefill work already admitted: planning more than the next step can compute only delays it (the
         # rest is planned during later steps, while the device computes these)
         queued = sum(self._tokens_left(r) for r in self.running)
@@ -254,6 +256,8 @@ class Scheduler:
     @staticmethod
     def _tokens_left(r: Request) -> int:
         """Tokens r still has to compute (re-rotation copies are not forward work)."""
+        if r.cursor >= len(r.todo):  # decoding
+            return 0
         return int(np.count_nonzero(r.plan.source[r.todo[r.cursor :]] < 0))
 
     def _plan(self, r: Request) -> None:

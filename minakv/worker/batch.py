@@ -5,9 +5,10 @@
 
 - a decode query reads its request's active keys from the worker's *key table*: one row per running
   request, holding the (slot, position) of every key that request's next token reads. The table lives on
-  the device and grows by appending: each step writes only the new entries (`table_writes`: the query's
-  own key, or a whole row the first time a request decodes), so the bytes sent per step do not grow with
-  the history.
+  the device and grows by appending: each step writes only the new entries, so the bytes sent per step do
+  not grow with the history. A query's own key needs no write of its own: it goes to column
+  `decode_lens[i] - 1` of `decode_rows[i]`, with the query's slot and position (`decode_key_writes`);
+  `table_writes` holds the rest: a whole row, the first time a request decodes.
 - a segment reads the keys active where it starts (sent with the batch), plus its own causal prefix.
   Segments are what make drop and restore exact: a segment ends wherever the set of visible keys changes
   (docs/design.md 3.3).
@@ -80,6 +81,13 @@ class ForwardBatch:
         self.seg_kv_slots.append(slots)
         self.seg_kv_pos.append(positions)
         self.seg_kv_indptr.append(self.seg_kv_indptr[-1] + len(slots))
+
+    def decode_key_writes(self) -> tuple[list[IntList], ...]:
+        """The decode queries' own keys as key-table writes (row, column, slot, position), one chunk each: the
+        token's row, the row's last column after this step, the token's slot and position."""
+        n = self.num_decode
+        cols = np.asarray(self.decode_lens, dtype=np.int64) - 1
+        return [self.decode_rows], [cols], [self.slots[:n]], [self.positions[:n]]
 
     def write_row(self, row: int, start: int, slots: IntList, positions: IntList) -> None:
         """Write keys into a key-table row from column `start` on."""

@@ -45,6 +45,9 @@ class Placement:
         for r, c, s in zip(writes[0], writes[1], writes[2]):
             if len(r) and (int(r[0]) in starts or int(c[0]) == 0):
                 starts.setdefault(int(r[0]), []).append(s)
+        for row, slot in zip(rows, part.slots):  # their queries' own keys (ForwardBatch.decode_key_writes)
+            if row in starts:
+                starts[row].append([slot])
         load = [0] * len(self.decode)
         for row in rows:
             if row not in starts:

@@ -101,7 +101,8 @@ def decode_pages(part: ForwardBatch, page_size: int) -> tuple[np.ndarray, np.nda
     whole row when a request starts decoding, then one key a step) and writes its tokens' slots. Keys already
     in a table row are not read again here: a decoding request's pages never change elsewhere
     (docs/workers.md)."""
-    return pages_of(part.table_writes[2], page_size), pages_of([part.slots], page_size)
+    reads = [*part.table_writes[2], *part.decode_key_writes()[2]]  # (a query's own key is read too)
+    return pages_of(reads, page_size), pages_of([part.slots], page_size)
 
 
 # ----- cutting a part further, for pools of workers (minakv/worker/placement.py chooses the cut) -----

@@ -158,10 +158,13 @@ class Worker:
         )
 
     def _write_table(self, batch: ForwardBatch) -> None:
-        rows, cols, slots, positions = batch.table_writes
-        if not rows:
+        if not batch.table_writes[0] and not batch.num_decode:
             return
-        chunks, sizes = flatten([rows, cols, slots, positions])
+        writes = [list(c) for c in batch.table_writes]
+        if batch.num_decode:
+            for column, extra in zip(writes, batch.decode_key_writes()):
+                column += extra
+        chunks, sizes = flatten(writes)
         host = host_int64(chunks, pin=self.device.type == "cuda")
         r, c, s, p = host.to(self.device, non_blocking=True).split(sizes)
         self.table.write(r * self.table.width + c, s, p)
