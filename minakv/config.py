@@ -26,10 +26,6 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay captured CUDA graphs for decode-only steps (CUDA only)
     overlap: bool = True  # prepare step N + 1 on the host while the device runs step N (same results)
     memory_fraction: float = 0.85  # of free accelerator memory (or a share of RAM on cpu) for the KV pool
-    # sys.setswitchinterval when the engine's background thread starts (None: leave it): how long another
-    # thread (the server's event loop, a client's) may keep the GIL while the engine thread waits for it.
-    # CPython's 5 ms stalled the 512-stream throughput run's steps (bench/RESULTS.md, "GIL hand-over").
-    switch_interval: float | None = 0.0005
     # Tensor / expert parallelism (minakv/parallel/, docs/parallel.md): the model runs on world = max(tp, ep)
     # worker processes (ranks) per role, which the engine starts and supervises (docs/workers.md).
     tensor_parallel_size: int = 1  # attention heads split this many ways: 1 or the world
@@ -57,10 +53,6 @@ class EngineConfig:
             raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(f"kv_cache_tokens must hold at least one page, got {self.kv_cache_tokens!r}")
-        if self.switch_interval is not None and not self.switch_interval > 0:
-            raise ValueError(
-                f"switch_interval must be positive seconds or None, got {self.switch_interval!r}"
-            )
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         from minakv.parallel import (

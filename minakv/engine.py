@@ -16,7 +16,6 @@ import asyncio
 import atexit
 import gc
 import logging
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -280,8 +279,6 @@ class Engine:
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
-            if self.config.switch_interval is not None:  # a process-wide setting (EngineConfig)
-                sys.setswitchinterval(min(sys.getswitchinterval(), self.config.switch_interval))
             self._thread = threading.Thread(target=self._loop, name="minakv-engine", daemon=True)
             self._thread.start()
 

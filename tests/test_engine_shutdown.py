@@ -59,21 +59,3 @@ def test_engine_as_a_context_manager(model) -> None:
     with Engine(model, page_size=4, kv_cache_tokens=512) as engine:
         out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 3 and engine._closing
-
-
-@pytest.mark.parametrize("asked,expected", [(0.001, 0.001), (None, 0.005), (0.05, 0.005)])
-def test_the_background_thread_sets_the_gil_hand_over(model, asked, expected) -> None:
-    """EngineConfig.switch_interval lowers CPython's GIL switch interval when the engine's thread starts
-    (never raises it; None leaves it alone), so streams' event loops cannot stall the engine thread."""
-    import sys
-
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)
-    try:
-        engine = Engine(model, kv_cache_tokens=256, switch_interval=asked)
-        assert sys.getswitchinterval() == pytest.approx(0.005)  # nothing changes before the thread starts
-        asyncio.run(collect(engine, [1, 2, 3], 2))
-        assert sys.getswitchinterval() == pytest.approx(expected)
-        engine.shutdown()
-    finally:
-        sys.setswitchinterval(saved)
