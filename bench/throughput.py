@@ -10,7 +10,8 @@ Paths, each in a fresh engine, one after another in the same process and run:
 - `bf16`: the same shape with random bf16 weights (bench/e2e_decode.py builds it; the 20b shape only).
 
 Sampling: temperature 1, a seed per request, ignore_eos, so every request makes exactly O tokens. A warm-up
-of a few requests runs first (Triton compiles, CUDA graphs captured). Reported per path: wall seconds,
+runs first: prefills up to one full chunk and decode batches of every size class (`warm_up`: Triton
+compiles each kernel variant the run takes). Reported per path: wall seconds,
 output tokens/s (the published figure's unit), total (input + output) tokens/s, mean TTFT, and the run cut
 in two phases at the last first token: the prefill phase (every prompt read, while early requests already
 decode) and the decode phase (only decode steps), with the output tokens of each. The GPU busy
@@ -101,6 +102,23 @@ async def run(
             "gpu_busy_decode_window": busy.get("gpu_busy")}  # fmt: skip
 
 
+def warm_up(engine: Engine, hi: int, gen: torch.Generator, args: argparse.Namespace) -> None:
+    """Compile, before the clock starts, every kernel the run will use: Triton compiles a kernel on its first
+    use of each tile variant (the MXFP4 MoE picks one by pairs an expert) and shape class, ~20 s on a fresh
+    machine (a first run in a fresh process measured 62-68 s, the same run in a second one 47 s). Prefills
+    of 1-16 prompts (up to one full chunk: every prefill mode) and decode batches of each size class up to
+    max_num_seqs, on short prompts. (CUDA graphs are still captured in the run, at first use of a batch
+    and key bucket, as a server captures them.)"""
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
+    chunk = max(1, min(args.requests, args.max_num_batched_tokens // max(args.input, 1)))
+    for n in sorted({1, 2, 3, 4, chunk}):
+        engine.generate(torch.randint(0, hi, (n, args.input), generator=gen).tolist(), params, use_tqdm=False)
+    for n in sorted({8, 16, 64, 128, 256, args.max_num_seqs}):
+        if n <= args.max_num_seqs:
+            prompts = torch.randint(0, hi, (n, 16), generator=gen).tolist()
+            engine.generate(prompts, params, use_tqdm=False)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=512)
@@ -116,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         "--sample-host", action="store_true", help="sample the engine thread's stacks in the window"
     )
     p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval: how long a thread may keep "
-                   "the GIL while another waits (CPython's default 0.005 s)")  # fmt: skip
+                   "the GIL while another waits (CPython's default 0.005 s; no effect measured at 0.0005)")  # fmt: skip
     args = p.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -127,8 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.paths.split(","):
         engine = make_engine(path, args)
         hi = min(engine.model.config.vocab_size, MAX_TOKEN_ID)
-        warm = torch.randint(0, hi, (min(8, args.requests), args.input), generator=gen).tolist()
-        engine.generate(warm, SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True))
+        warm_up(engine, hi, gen, args)
         prompts = torch.randint(0, hi, (args.requests, args.input), generator=gen).tolist()
         row = asyncio.run(run(engine, prompts, args.output, args.busy_window, args.sample_host))
         row.update(path=path, switch_interval=sys.getswitchinterval(), requests=args.requests, input=args.input, output=args.output,
