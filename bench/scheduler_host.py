@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--streams", action="store_true", help="the engine's whole cycle, with streams")
+    parser.add_argument("--no-detokenize", action="store_true", help="(--streams) token ids only")
     args = parser.parse_args()
     if args.streams:
         return streams(args)
@@ -105,7 +106,8 @@ def streams(args: argparse.Namespace) -> None:
     prompts = [[rng.randrange(1000, 190_000) for _ in range(args.context)] for _ in range(args.batch)]
 
     async def one(i: int) -> None:
-        params = SamplingParams(max_tokens=args.steps, temperature=1.0, seed=i, ignore_eos=True)
+        params = SamplingParams(max_tokens=args.steps, temperature=1.0, seed=i, ignore_eos=True,
+                                detokenize=not args.no_detokenize)  # fmt: skip
         async for _ in engine.stream(prompts[i], params):
             pass
 
@@ -115,7 +117,8 @@ def streams(args: argparse.Namespace) -> None:
     asyncio.run(run())
     engine.shutdown()
     full = sorted(b[0] - a[0] for a, b in pairwise(starts) if a[1] == b[1] == args.batch)
-    print(f"batch {args.batch} x context {args.context}, streams, tokenizer {'o200k' if tokenizer else 'none'}: "
+    text = "o200k" if tokenizer and not args.no_detokenize else "none"
+    print(f"batch {args.batch} x context {args.context}, streams, detokenized by {text}: "
           f"{len(full)} cycles of whole-batch decode steps: median {full[len(full) // 2] * 1e3:.2f} ms, "
           f"p90 {full[int(len(full) * 0.9)] * 1e3:.2f} ms")  # fmt: skip
 

@@ -56,14 +56,21 @@ def make_engine(path: str, args: argparse.Namespace) -> Engine:
 
 
 async def run(
-    engine: Engine, prompts: list[list[int]], output: int, busy_window: float, sample_host: bool = False
+    engine: Engine,
+    prompts: list[list[int]],
+    output: int,
+    busy_window: float,
+    sample_host: bool = False,
+    detokenize: bool = True,
 ) -> dict:
     ttfts: list[float] = []
     events: list[tuple[float, int]] = []  # (time, tokens) of every streamed output: the phases' tokens
     start = time.perf_counter()
 
     async def one(i: int, prompt: list[int]) -> int:
-        params = SamplingParams(max_tokens=output, temperature=1.0, seed=i, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=output, temperature=1.0, seed=i, ignore_eos=True, detokenize=detokenize
+        )
         first, n = None, 0
         async for out in engine.stream(prompt, params):
             n += len(out.token_ids)
@@ -130,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--busy-window", type=float, default=2.0, help="seconds of decode profiled (CUDA)")
     p.add_argument("--tiny", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    p.add_argument("--no-detokenize", action="store_true",
+                   help="token ids only, no text (as trtllm-bench's token-in / token-out runs)")  # fmt: skip
     p.add_argument(
         "--sample-host", action="store_true", help="sample the engine thread's stacks in the window"
     )
@@ -147,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         hi = min(engine.model.config.vocab_size, MAX_TOKEN_ID)
         warm_up(engine, hi, gen, args)
         prompts = torch.randint(0, hi, (args.requests, args.input), generator=gen).tolist()
-        row = asyncio.run(run(engine, prompts, args.output, args.busy_window, args.sample_host))
-        row.update(path=path, switch_interval=sys.getswitchinterval(), requests=args.requests, input=args.input, output=args.output,
+        row = asyncio.run(
+            run(engine, prompts, args.output, args.busy_window, args.sample_host, not args.no_detokenize)
+        )
+        row.update(path=path, detokenize=not args.no_detokenize, switch_interval=sys.getswitchinterval(), requests=args.requests, input=args.input, output=args.output,
                    output_tok_s=row["output_tokens"] / row["wall_s"],
                    total_tok_s=(row["output_tokens"] + args.requests * args.input) / row["wall_s"])  # fmt: skip
         log.add("throughput", **row)

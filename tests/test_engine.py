@@ -133,6 +133,20 @@ def test_stop_strings_and_stop_token_ids(engine):
     assert_idle(engine)
 
 
+def test_ids_only_output_skips_the_text(engine):
+    """detokenize=False: the same tokens (seeded), no text; stop strings then are a clear error."""
+    if engine.tokenizer is None:
+        pytest.skip("no tokenizer")
+    prompt = prompts_for(engine)[1]
+    params = {"max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    full = engine.generate([prompt], SamplingParams(**params))[0]
+    ids = engine.generate([prompt], SamplingParams(**params, detokenize=False))[0]
+    assert ids.token_ids == full.token_ids and ids.text == "" and full.text
+    with pytest.raises(ValueError, match="stop strings need the text"):
+        engine.generate([prompt], SamplingParams(**params, detokenize=False, stop=["x"]))
+    assert_idle(engine)
+
+
 def test_stream_increments_and_abort_frees_pages(engine):
     prompt = prompts_for(engine)[2]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -94,6 +94,9 @@ class Request:
         # the ids that end generation, as sets: checked for every sampled token (a stop list may be long)
         self.eos_set = frozenset(self.eos_token_ids)
         self.stop_set = frozenset(self.params.stop_token_ids or ())
+        # stop strings, and how much text a running stream holds back (it could still start one): every token
+        self.stop_strings = tuple(self.params.stop_strings)
+        self.hold_back = max((len(s) - 1 for s in self.stop_strings), default=0)
 
     @property
     def all_ids(self) -> list[int]:
@@ -121,7 +124,7 @@ class Request:
         could still turn out to start a stop string is held back."""
         text_end = len(self.text)
         if not self.finish_reason:
-            text_end -= max((len(s) - 1 for s in self.params.stop_strings), default=0)
+            text_end -= self.hold_back
             while text_end > 0 and self.text[text_end - 1] == "\ufffd":  # a character still being decoded
                 text_end -= 1
         text_end = max(self.sent_text, text_end)

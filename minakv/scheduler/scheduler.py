@@ -124,8 +124,8 @@ class Scheduler:
         self.failed += self._admit()
         decoding = [r for r in self.running if r.cursor == len(r.todo) and self._decodes_next(r)]
         for r in decoding:  # reserve decode pages first: this may preempt the youngest requests
-            if r.status is Status.RUNNING:
-                self._ensure_pages(r, r.num_entries + 1)
+            if r.status is Status.RUNNING and (r.missing or r.num_entries >= len(r.pages) * self.page_size):
+                self._ensure_pages(r, r.num_entries + 1)  # (one page a page_size steps)
         batch = ForwardBatch()
         for r in decoding:
             if r.status is Status.RUNNING:

@@ -10,7 +10,7 @@ This runs for every request in every engine step, so its work per token is O(1),
 length: the text grows by what an incremental detokenizer (minakv/text/detokenize.py) says the token
 completes, and a stop string is looked for only where the new text could complete one.
 
-`r.text` is what `tokenizer.decode(r.output_ids)` gives, less a trailing partial character (U+FFFD) while
+`r.text` (empty for a request that asked for ids only: `detokenize=False`) is what `tokenizer.decode(r.output_ids)` gives, less a trailing partial character (U+FFFD) while
 running; when the request finishes, that held-back U+FFFD is appended too, so the final text is exactly the
 full decode (cut before a stop string; a stop token's own text is never added).
 """
@@ -30,14 +30,14 @@ def apply_token(r: Request, token: int, logprob: TokenLogprob | None, tokenizer,
     p = r.params
     if (not p.ignore_eos and token in r.eos_set) or token in r.stop_set:
         return _finish(r, "stop")
-    if tokenizer is not None:
+    if tokenizer is not None and p.detokenize:
         if r.detok is None:  # made at the request's first output token
             r.detok = IncrementalDetokenizer(tokenizer)
         new = r.detok.push(token)
         if new:
             start = len(r.text)
             r.text += new
-            for s in p.stop_strings:
+            for s in r.stop_strings:
                 # A match not found before must end in the new text: start at most len(s) - 1 before it.
                 at = r.text.find(s, max(0, start - len(s) + 1))
                 if at >= 0:
