@@ -1,7 +1,7 @@
 """MXFP4 MoE for a few tokens: one GEMV per (token, slot) pair on the CUDA cores, weights streamed packed.
 
 At a batch of one a decode step's MoE reads 4 experts' packed weights (~50 MB at gpt-oss's shapes) and
-multiplies each weight once. The tensor-core kernels of mxfp4_moe.py pad that one row to a 16-row tile and
+multiplies each weight once. The fused kernels of mxfp4_fused.py pad that one row to a 16-row tile and
 read at ~12% of copy bandwidth on the H200; this path reads at twice that (bench/RESULTS.md, "GEMVs for few
 pairs"). On the GPU `moe_mxfp4` asks for `mma=True`: the same GEMV on the tensor cores (mxfp4_mma.py, ~2.5
 instructions a weight against ~5 here), faster still; this CUDA-core form is the interpreter's:
@@ -93,7 +93,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
 
 def finish_gate_up(partial: torch.Tensor, gate_up_bias: torch.Tensor | None, ids: torch.Tensor, h: torch.Tensor,
                    activation: str, limit: float, alpha: float, cols: int) -> None:  # fmt: skip
-    """Split-K's end for gate/up (here, in mxfp4_moe.py and mxfp4_mma.py): `gate_up_finish` over the fp32
+    """Split-K's end for gate/up (here, in mxfp4_fused.py and mxfp4_mma.py): `gate_up_finish` over the fp32
     partials [splits, pairs, gate I | up I] -> h [pairs, I], its columns in the order `cols` (see there)."""
     splits, num_pairs, two_i = partial.shape
     gate_up_finish[(num_pairs, triton.cdiv(two_i // 2, 256))](
@@ -105,7 +105,7 @@ def finish_gate_up(partial: torch.Tensor, gate_up_bias: torch.Tensor | None, ids
 
 
 def k_per_split(size: int, block_k: int, splits: int) -> int:
-    """Inputs each of `splits` programs covers (here and in mxfp4_moe.py): whole steps of block_k inputs (so
+    """Inputs each of `splits` programs covers (here and in mxfp4_fused.py): whole steps of block_k inputs (so
     whole MXFP4 groups), as even as can be."""
     return triton.cdiv(triton.cdiv(size, block_k), splits) * block_k
 

@@ -1,4 +1,4 @@
-"""MXFP4 weights dequantized in registers: what both MXFP4 MoE paths (mxfp4_moe.py, mxfp4_grouped.py) share.
+"""MXFP4 weights dequantized in registers: what both MXFP4 MoE paths (mxfp4_fused.py, mxfp4_grouped.py) share.
 
 The packed layout (minakv/ops/quant.py), one expert, one output row n of a weight W [out, in]:
 
