@@ -43,8 +43,8 @@ def activate_rows(
 
 
 @triton.jit
-def _activate_kernel(h_ptr, b_ptr, e_ptr, out_ptr, I, stride_h, stride_b, limit, alpha, HAS_BIAS: tl.constexpr,
-                     ACT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _activate_kernel(h_ptr, b_ptr, e_ptr, out_ptr, I, stride_h, stride_b, limit, alpha,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < I

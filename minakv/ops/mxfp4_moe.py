@@ -20,7 +20,7 @@ same weights, and picks one of four paths:
 
   many pairs (prefill)  `moe_mxfp4_grouped` (minakv/ops/mxfp4_grouped.py): pairs sorted by expert, a
                         grouped GEMM over tiles of BLOCK_M rows of one expert, grouping built on the device;
-                        from 512 pairs an expert the experts dequantized to bf16 once instead (`prefill_mode`).
+                        from 512 pairs an expert the experts dequantized to bf16 once (`prefill_mode`).
 
 Both end with a plain sum over each token's k slots (no atomics: deterministic) and neither syncs with
 the host, so a decode step stays capturable in a CUDA graph. CPU tensors (outside the tests that run

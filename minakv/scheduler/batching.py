@@ -51,9 +51,8 @@ def add_decode(
         if split and r.penalty_row >= 0:  # counted on the prefill worker so far
             batch.penalty_resets.append((r.penalty_row, r.prompt_ids, list(r.output_ids)))
     r.decode_keys.append(e)
-    r.row_len += (
-        1  # the new key's table write follows from the columns below (ForwardBatch.decode_key_writes)
-    )
+    # the new key's table write follows from the columns below (ForwardBatch.decode_key_writes)
+    r.row_len += 1
     # the input: a known token, or the one the previous step samples for r (still on the device)
     batch.input_ids.append(r.token_at(t) if r.pending == 0 else -(r.sample_row + 1))
     batch.positions.append(r.next_pos)

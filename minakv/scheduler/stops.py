@@ -10,9 +10,10 @@ This runs for every request in every engine step, so its work per token is O(1),
 length: the text grows by what an incremental detokenizer (minakv/text/detokenize.py) says the token
 completes, and a stop string is looked for only where the new text could complete one.
 
-`r.text` (empty for a request that asked for ids only: `detokenize=False`) is what `tokenizer.decode(r.output_ids)` gives, less a trailing partial character (U+FFFD) while
+`r.text` is what `tokenizer.decode(r.output_ids)` gives, less a trailing partial character (U+FFFD) while
 running; when the request finishes, that held-back U+FFFD is appended too, so the final text is exactly the
-full decode (cut before a stop string; a stop token's own text is never added).
+full decode (cut before a stop string; a stop token's own text is never added). A request that asked for
+token ids only (`detokenize=False`) has no text.
 """
 
 from __future__ import annotations
