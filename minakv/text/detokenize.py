@@ -35,6 +35,7 @@ byte-level BPE and of Metaspace); decoders with clean-up rules that rewrite earl
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 character decodes to
@@ -46,11 +47,20 @@ class Decoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+# tokenizer -> {token id: decode([id])}: the context is one token in the steady state (every token ends on a
+# clean boundary), and a decode is a pure function of the ids, so one tokenizer call a token is saved
+_ONE_TOKEN: weakref.WeakKeyDictionary[Decoder, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
 class IncrementalDetokenizer:
     """Feed token ids one at a time; get back the text each one completes."""
 
     def __init__(self, tokenizer: Decoder) -> None:
         self._decode = tokenizer.decode
+        try:
+            self._one = _ONE_TOKEN.setdefault(tokenizer, {})
+        except TypeError:  # a tokenizer that cannot be weakly referenced: no cache
+            self._one = {}
         self._ids: list[int] = []  # context tokens, then pending tokens
         self._context = 0  # how many of _ids are context
         self._context_text = ""  # decode(_ids[: _context])
@@ -110,7 +120,13 @@ class IncrementalDetokenizer:
         start = max(self._context, k - CONTEXT)
         self._ids = self._ids[start:]
         self._context = k - start
-        self._context_text = self._decode(self._ids[: self._context])
+        if self._context == 1:
+            t = self._ids[0]
+            if t not in self._one:
+                self._one[t] = self._decode([t])
+            self._context_text = self._one[t]
+        else:
+            self._context_text = self._decode(self._ids[: self._context])
         self._emitted -= k_len
 
     def _clean_boundary(self) -> tuple[int, int] | None:

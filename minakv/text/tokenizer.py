@@ -281,7 +281,9 @@ class Tokenizer:
         return enc.ids, [tuple(o) for o in enc.offsets]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.tok.decode(
+            ids if type(ids) is list else list(ids), skip_special_tokens=skip_special_tokens
+        )
 
 
 def _read_json(path: Path) -> dict:
