@@ -42,7 +42,7 @@ for step in $STEPS; do
         k512) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 256,512 --prompt 1024 --n1 64 --n2 160 --max-num-batched-tokens 16384 --repeats 1 --modes greedy --kernels ;;
         prefill20) timeout 200 python3 bench/prefill_long.py --dummy gpt-oss-20b --lengths 1024 --requests 128 --chunk 16384 --kernels ;;
         throughput) timeout 400 python3 bench/throughput.py ;;
-        ids) timeout 200 python3 bench/throughput.py --paths mxfp4 --no-detokenize --sample-host ;;
+        ids) timeout 200 python3 bench/throughput.py --paths mxfp4 --no-detokenize --sample-host --kernels ;;
         ceiling) timeout 120 python3 bench/read_ceiling.py ;;
         fp8) timeout 300 python3 bench/bench_fp8.py --tokens 1,4,64 --layers 8 ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;

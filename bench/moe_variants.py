@@ -29,8 +29,9 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from minakv.ops.fused_moe import default_block_m, moe_fused, sort_by_expert
+from minakv.ops.fused_moe import default_block_m, moe_fused
 from minakv.ops.moe import activate, moe, moe_grouped, route_softmax_topk
+from minakv.ops.moe_groups import sort_by_expert
 
 H = I = 2880
 TOPK = 4

@@ -37,6 +37,7 @@ from agent_replay import MAX_TOKEN_ID, gpu_busy
 from common import Log
 from e2e_decode import DEVICE, build_ours, configs
 from host_sampler import print_samples, sample_thread
+from prefill_long import print_kernels
 
 from minakv import Engine, SamplingParams
 
@@ -62,6 +63,7 @@ async def run(
     busy_window: float,
     sample_host: bool = False,
     detokenize: bool = True,
+    kernels: bool = False,
 ) -> dict:
     ttfts: list[float] = []
     events: list[tuple[float, int]] = []  # (time, tokens) of every streamed output: the phases' tokens
@@ -96,6 +98,8 @@ async def run(
             wall = time.perf_counter() - t
         if sample_host:
             print_samples(found, "the engine thread in the decode phase")
+        if kernels:
+            print_kernels(prof, wall)
         return gpu_busy(prof, wall)
 
     tasks = [one(i, p) for i, p in enumerate(prompts)]
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--sample-host", action="store_true", help="sample the engine thread's stacks in the window"
     )
+    p.add_argument("--kernels", action="store_true", help="print the decode window's kernels by device time")
     p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval: how long a thread may keep "
                    "the GIL while another waits (CPython's default 0.005 s; no effect measured at 0.0005)")  # fmt: skip
     args = p.parse_args(argv)
@@ -157,7 +162,15 @@ def main(argv: list[str] | None = None) -> None:
         warm_up(engine, hi, gen, args)
         prompts = torch.randint(0, hi, (args.requests, args.input), generator=gen).tolist()
         row = asyncio.run(
-            run(engine, prompts, args.output, args.busy_window, args.sample_host, not args.no_detokenize)
+            run(
+                engine,
+                prompts,
+                args.output,
+                args.busy_window,
+                args.sample_host,
+                not args.no_detokenize,
+                args.kernels,
+            )
         )
         row.update(path=path, detokenize=not args.no_detokenize, switch_interval=sys.getswitchinterval(), requests=args.requests, input=args.input, output=args.output,
                    output_tok_s=row["output_tokens"] / row["wall_s"],

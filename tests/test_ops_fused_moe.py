@@ -10,8 +10,10 @@ import torch
 from helpers.models import moe_reference
 from helpers.triton import interpreted
 
-from minakv.ops.fused_moe import SCAN_MAX_PAIRS, moe_fused, sort_by_expert
+from minakv.ops import moe_groups, triton_util
+from minakv.ops.fused_moe import SCAN_MAX_PAIRS, moe_fused
 from minakv.ops.moe import route_softmax_topk
+from minakv.ops.moe_groups import sort_by_expert
 
 
 def layer(t: int, e: int, k: int, h: int, i: int, seed: int, unused=(), biases: bool = True):
@@ -34,11 +36,27 @@ def test_sort_by_expert_matches_stable_argsort(num_pairs: int, num_experts: int)
     """(100, 200): 32-pair chunks, so the running slots carry across four chunks; most experts empty."""
     gen = torch.Generator().manual_seed(num_pairs)
     ids = torch.randint(0, max(1, num_experts - 2), (num_pairs,), generator=gen)  # the last two: empty
-    order, counts, starts = sort_by_expert(ids, num_experts)
+    order, counts, starts, tile_ends = sort_by_expert(ids, num_experts, block_m=8)
     expected = torch.bincount(ids, minlength=num_experts)
     assert order.tolist() == torch.argsort(ids, stable=True).tolist()
     assert counts.tolist() == expected.tolist()
     assert starts.tolist() == (torch.cumsum(expected, 0) - expected).tolist()
+    assert tile_ends.tolist() == torch.cumsum((expected + 7) // 8, 0).tolist()
+
+
+@interpreted
+@pytest.mark.parametrize("num_pairs", [37, 2048])
+def test_group_by_expert_sort_matches_torch_path(num_pairs: int, monkeypatch) -> None:
+    """The grouped kernels' plan from the counting sort (Triton) equals the one from torch's argsort."""
+    ids = torch.randint(0, 30, (num_pairs // 4, 4), generator=torch.Generator().manual_seed(num_pairs))
+    torch_plan = moe_groups.group_by_expert(ids, 32, 16)
+    monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
+    triton_plan = moe_groups.group_by_expert(ids, 32, 16)
+    assert triton_plan[0].dtype == torch.int32  # (the sort's own order, not argsort's)
+    for ours, ref in zip(triton_plan, torch_plan):
+        assert (ours.tolist() if isinstance(ours, torch.Tensor) else ours) == (
+            ref.tolist() if isinstance(ref, torch.Tensor) else ref
+        )
 
 
 VARIANTS = [

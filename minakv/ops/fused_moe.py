@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.ops.moe_groups import k_parts
+from minakv.ops.moe_groups import k_parts, sort_by_expert
 from minakv.ops.triton_util import check, interpreting
 
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
@@ -62,7 +62,7 @@ def moe_fused(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_
 
     ids = topk_ids.reshape(-1).contiguous()
     if sort:
-        order, counts, starts = sort_by_expert(ids, num_experts)
+        order, counts, starts, _ = sort_by_expert(ids, num_experts)
         pairs_pad = 16  # unused: no scan
     else:
         order = counts = starts = ids  # unused
@@ -99,43 +99,6 @@ def default_block_m(num_pairs: int, num_experts: int, sort: bool) -> int:
     near-uniform routing most experts' rows fit one pass (weights read once); >= a tensor-core tile."""
     avg = triton.cdiv((4 if not sort else 3) * num_pairs, 2 * num_experts)
     return min(64 if not sort else 128, max(16, triton.next_power_of_2(avg)))
-
-
-def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pair indices grouped by expert (stable), per-expert counts and starts: one launch, no host sync."""
-    num_pairs = ids.numel()
-    order = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    starts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    e_pad = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(triton.next_power_of_2(num_pairs), 8192 // e_pad))  # a [chunk, E] one-hot per step
-    _sort_kernel[(1,)](ids, order, counts, starts, num_pairs, num_experts, E_PAD=e_pad, CHUNK=chunk,
-                       num_warps=8)  # fmt: skip
-    return order, counts, starts
-
-
-@triton.jit
-def _sort_kernel(ids_ptr, order_ptr, counts_ptr, starts_ptr, num_pairs, num_experts,
-                 E_PAD: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """Counting sort in one program: counts, their exclusive prefix sum, then each pair's slot = start of
-    its expert + pairs of that expert before it (earlier chunks, then a prefix sum within its chunk)."""
-    offs_e = tl.arange(0, E_PAD)
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for p0 in range(0, num_pairs, CHUNK):
-        offs = p0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), 0)
-    starts = tl.cumsum(counts, 0) - counts
-    tl.store(counts_ptr + offs_e, counts, mask=offs_e < num_experts)
-    tl.store(starts_ptr + offs_e, starts, mask=offs_e < num_experts)
-    next_slot = starts
-    for p0 in range(0, num_pairs, CHUNK):
-        offs = p0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        hot = (ids[:, None] == offs_e[None, :]).to(tl.int32)
-        slot = tl.sum(hot * (tl.cumsum(hot, 0) - 1 + next_slot[None, :]), 1)
-        tl.store(order_ptr + slot, offs, mask=offs < num_pairs)
-        next_slot += tl.sum(hot, 0)
 
 
 @triton.jit

@@ -5,7 +5,8 @@ pairs by expert on the device, finding a grouped-GEMM program's tile, and the ex
     order  p1 p4 | p3 | p0 p2 p5    sorted by expert; counts [2, 1, 0, 3]; starts [0, 2, 3, 3]
     tiles  [e0: p1 p4] [e1: p3] [e3: p0 p2 p5]   ceil(count / BLOCK_M) tiles per expert; tile_ends [1, 2, 2, 3]
 
-The grouping is built with device ops only (no host sync), so a step stays capturable in a CUDA graph; the
+The grouping is built with device ops only (no host sync): one program's counting sort for decode
+batches (`sort_by_expert`), torch's stable argsort beyond SORT_MAX_PAIRS pairs. So a step stays capturable in a CUDA graph; the
 grid is sized from a bound the host knows (`max_tiles`), and programs past the last tile return at once.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from minakv.ops.triton_util import use_triton
 
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
@@ -26,18 +29,65 @@ def k_parts(y: torch.Tensor, num_tokens: int, parts: int, dtype: torch.dtype, su
     return out.sum(1).to(dtype) if sum_k else out
 
 
+SORT_MAX_PAIRS = 8192  # up to here one program's counting sort beats torch's argsort (decode batches)
+
+
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Pairs sorted by expert, on the device -> (order, counts, starts, tile_ends, max_tiles)."""
     flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    max_tiles = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    if use_triton(flat) and num_pairs <= SORT_MAX_PAIRS:  # one launch instead of a sort, a scatter, two scans
+        order, counts, starts, tile_ends = sort_by_expert(flat.contiguous(), num_experts, block_m)
+        return order, counts, starts, tile_ends, max_tiles
     order = torch.argsort(flat, stable=True)
     # scatter_add counts without the host sync that sizing a bincount needs
     counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
     tile_ends = torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32)
-    num_pairs = flat.numel()
-    max_tiles = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     return order, counts, starts, tile_ends, max_tiles
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = 0):
+    """Pair indices grouped by expert (stable), per-expert counts and starts, and with block_m > 0 each
+    expert's end in tiles of block_m rows (tile_ends, else None): one launch, no host sync."""
+    num_pairs = ids.numel()
+    order = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+    counts, starts, tile_ends = torch.empty(3, num_experts, dtype=torch.int32, device=ids.device)
+    e_pad = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(triton.next_power_of_2(num_pairs), 8192 // e_pad))  # a [chunk, E] one-hot per step
+    _sort_kernel[(1,)](ids, order, counts, starts, tile_ends, num_pairs, num_experts, max(block_m, 1),
+                       E_PAD=e_pad, CHUNK=chunk, TILES=block_m > 0, num_warps=8)  # fmt: skip
+    return order, counts, starts, tile_ends if block_m > 0 else None
+
+
+@triton.jit
+def _sort_kernel(ids_ptr, order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_pairs, num_experts, block_m,
+                 E_PAD: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
+    """Counting sort in one program: counts, their exclusive prefix sum, then each pair's slot = start of
+    its expert + pairs of that expert before it (earlier chunks, then a prefix sum within its chunk)."""
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), 0)
+    starts = tl.cumsum(counts, 0) - counts
+    tl.store(counts_ptr + offs_e, counts, mask=offs_e < num_experts)
+    tl.store(starts_ptr + offs_e, starts, mask=offs_e < num_experts)
+    if TILES:
+        tl.store(
+            tile_ends_ptr + offs_e, tl.cumsum((counts + block_m - 1) // block_m, 0), mask=offs_e < num_experts
+        )
+    next_slot = starts
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        hot = (ids[:, None] == offs_e[None, :]).to(tl.int32)
+        slot = tl.sum(hot * (tl.cumsum(hot, 0) - 1 + next_slot[None, :]), 1)
+        tl.store(order_ptr + slot, offs, mask=offs < num_pairs)
+        next_slot += tl.sum(hot, 0)
 
 
 @triton.jit
