@@ -9,7 +9,6 @@
 #   mxfp4     issue 12: MXFP4 kernel variants incl. the "swap" mode                                 ~180 s
 #   gemv      issue 12: the GEMV variants (CUDA-core strips, tensor-core mma), their reads alone    ~90 s
 #   grouped   issue 12: the grouped tensor-core GEMM (mxfp4_mma_grouped.py) at 8-4,096 tokens      ~250 s
-#   prefetch  issue 12: the grouped tensor-core GEMM with and without the weights' prefetch, 64-1,024 tokens ~200 s
 #   dummy120  issue 12: gpt-oss-120b (dummy MXFP4) decode at batch 1, 64, 256, and its KV pool        ~240 s
 #   dummy20   issue 12: gpt-oss-20b (dummy MXFP4) decode at batch 1, 64, 256                         ~150 s
 #   k512      issue 12: gpt-oss-20b (dummy MXFP4) at batch 256 and 512, prompt 1,024: the step kernels ~150 s
@@ -38,8 +37,6 @@ for step in $STEPS; do
         gemv) timeout 200 python3 bench/mxfp4_variants.py --tokens 1,8,64 --only gemv --out "$OUT/gemv_variants.json" ;;
         grouped) timeout 300 python3 bench/mxfp4_variants.py --tokens 8,16,64,256,512,1024,4096 --budget-s 240 \
             --only "mma grouped,u4 split 1,fused default,grouped default,bf16 once,bf16 fused,bf16 grouped" --out "$OUT/grouped_mma.json" ;;
-        prefetch) timeout 240 python3 bench/mxfp4_variants.py --tokens 64,256,512,1024 --budget-s 200 \
-            --only "mma grouped" --out "$OUT/grouped_prefetch.json" ;;
         dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 ;;
         dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
         k512) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 256,512 --prompt 1024 --n1 64 --n2 160 --max-num-batched-tokens 16384 --repeats 1 --modes greedy --kernels ;;

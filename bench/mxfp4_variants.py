@@ -82,36 +82,13 @@ GEMV = [  # the few-pairs GEMV on the CUDA cores (mxfp4_gemv.py), up to GEMV_MAX
     (f"gemv bn{n} g{g} w{w} split-K {k}", {"block_n": n, "groups": g, "num_warps": w, "splits": k})
     for n, g, w, k in ((16, 4, 2, 3), (4, 32, 4, 2))
 ]  # fmt: skip
-MMA_GROUPED = (
-    [  # mxfp4_mma_grouped.py: row tiles (16 rows) x pair tiles (8 pairs) a warp, groups a step
-        (f"mma grouped mr{mr} nt{nt} u{u}", {"mr": mr, "nt": nt, "unroll": u})
-        for mr, nt, u in (
-            (4, 4, 2),
-            (4, 4, 1),
-            (2, 4, 2),
-            (2, 4, 4),
-            (4, 2, 2),
-            (2, 2, 2),
-            (2, 1, 2),
-            (4, 8, 1),
-        )
-    ]
-    + [  # the scales folded into the fp16 weights (no FMAs; the dummy scales, 2^-7, are in its range)
-        (f"mma grouped fold mr{mr} nt{nt} u{u}", {"mr": mr, "nt": nt, "unroll": u, "fold": True})
-        for mr, nt, u in ((2, 1, 2), (2, 2, 2), (2, 4, 2), (2, 8, 1), (4, 8, 1))
-    ]
-    + [  # each step loads the next one's weights and scales first
-        (
-            f"mma grouped fold prefetch mr{mr} nt{nt} u{u}",
-            {"mr": mr, "nt": nt, "unroll": u, "fold": True, "prefetch": True},
-        )
-        for mr, nt, u in ((2, 4, 2), (2, 8, 1), (2, 8, 2), (4, 8, 1), (2, 4, 4))
-    ]
-    + [
-        (f"mma grouped prefetch mr{mr} nt{nt} u{u}", {"mr": mr, "nt": nt, "unroll": u, "prefetch": True})
-        for mr, nt, u in ((2, 2, 2), (2, 4, 2), (2, 2, 4))
-    ]
-)
+MMA_GROUPED = [  # mxfp4_mma_grouped.py: row tiles (16 rows) x pair tiles (8 pairs) a warp, groups a step
+    (f"mma grouped mr{mr} nt{nt} u{u}", {"mr": mr, "nt": nt, "unroll": u})
+    for mr, nt, u in ((4, 4, 2), (4, 4, 1), (2, 4, 2), (2, 4, 4), (4, 2, 2), (2, 2, 2), (2, 1, 2), (4, 8, 1))
+] + [  # the scales folded into the fp16 weights (no FMAs; the dummy scales, 2^-7, are in its range)
+    (f"mma grouped fold mr{mr} nt{nt} u{u}", {"mr": mr, "nt": nt, "unroll": u, "fold": True})
+    for mr, nt, u in ((2, 1, 2), (2, 2, 2), (2, 4, 2), (2, 8, 1), (4, 8, 1))
+]
 MMA = [  # the tensor-core GEMV (mxfp4_mma.py): groups a step, split-K for gate/up and down
     (f"gemv mma u{u} split {a},{b}", {"unroll": u, "splits": (a, b)})
     for u, a, b in ((4, 1, 1), (8, 1, 1), (4, 2, 2), (4, 2, 4), (4, 3, 3), (8, 2, 2))

@@ -43,8 +43,7 @@ def fold_fits(w: dict[str, torch.Tensor]) -> bool:
 
 
 def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], stride_bn: int,
-              stride_sn: int, warp_rows: int, last_row: int, x_row: int, fold: bool = False,
-              prefetch: bool = False) -> str:  # fmt: skip
+              stride_sn: int, warp_rows: int, last_row: int, x_row: int, fold: bool = False) -> str:  # fmt: skip
     """One warp's MR x NT tiles over `groups` groups, `unroll` groups a step. Operands: $0 the thread's
     %tid.x, then the 4 * MR * NT sums (tile (i, c)'s C fragment at 1 + 4 (i NT + c): rows g, g + 8 of row
     tile i (g = lane / 4) times columns 2t, 2t + 1 of pair tile c (t = lane % 4)); inputs: the program's
@@ -52,34 +51,20 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
     each row tile's first row from the warp's (rows); warp w starts at min(first + w * warp_rows,
     last_row); x_row: bytes per activation row. fold: scale the decoded fp16 weights by 2^(s - 121) with
     `mul.rn.f16x2` (exact for scale bytes in FOLD_RANGE, `fold_fits`) and accumulate in the MMAs' own C,
-    instead of 4 fp32 FMAs per MMA pair (2 a row tile per pair tile per group). prefetch: a step loads the
-    next step's weights and scales (into a second set of registers) before it computes its own, so their
-    latency from memory hides behind a step of MMAs (the activations, read by every warp, come from L1)."""
+    instead of 4 fp32 FMAs per MMA pair (2 a row tile per pair tile per group)."""
     n_out = 1 + 4 * mr * nt
     wb, sb, xb, r0 = (f"${n_out + j}" for j in range(4))
-    regs = [
-        f"{p}{i}a{j}, {p}{i}b{j}, {q}{i}a{j}, {q}{i}b{j}"
-        for p, q in (("w", "s"), ("v", "r"))[: 1 + prefetch]
-        for i in range(mr)
-        for j in range(unroll)
-    ]  # fmt: skip  (v, r: the prefetched set)
+    regs = [f"w{i}a{j}, w{i}b{j}, s{i}a{j}, s{i}b{j}" for i in range(mr) for j in range(unroll)]
     regs += [f"x{c}q{q}u{j}" for c in range(nt) for q in range(4) for j in range(unroll)]
     acc = [f"e{i}c{c}k{k}" for i in range(mr) for c in range(nt) for k in range(4)]
 
-    def load_weights(count: int, p: str = "w", q: str = "s", ahead: int = 0) -> str:
-        """Weights and scales of `count` groups, `ahead` groups past the step's first, into p / q registers."""
+    def step(count: int) -> str:
         out = ""
         for j in range(count):
             for i in range(mr):
-                w, s = row_offs[i] * stride_bn + 16 * (j + ahead), row_offs[i] * stride_sn + j + ahead
-                out += (f"ld.global.nc.b32 {p}{i}a{j}, [wp+{w}]; ld.global.nc.b32 {p}{i}b{j}, [wp+{w + 8 * stride_bn}];\n"
-                        f"ld.global.nc.u8 {q}{i}a{j}, [sp+{s}]; ld.global.nc.u8 {q}{i}b{j}, [sp+{s + 8 * stride_sn}];\n")  # fmt: skip
-        return out
-
-    def step(count: int, weights: bool = True) -> str:
-        """One step of `count` groups: loads (weights: also its weights and scales), then decode and MMAs."""
-        out = load_weights(count) if weights else ""
-        for j in range(count):
+                w, s = row_offs[i] * stride_bn + 16 * j, row_offs[i] * stride_sn + j
+                out += (f"ld.global.nc.b32 w{i}a{j}, [wp+{w}]; ld.global.nc.b32 w{i}b{j}, [wp+{w + 8 * stride_bn}];\n"
+                        f"ld.global.nc.u8 s{i}a{j}, [sp+{s}]; ld.global.nc.u8 s{i}b{j}, [sp+{s + 8 * stride_sn}];\n")  # fmt: skip
             for c in range(nt):
                 xq = ", ".join(f"x{c}q{q}u{j}" for q in range(4))
                 out += f"ld.global.nc.v4.b32 {{{xq}}}, [xp+{c * 8 * x_row + 64 * j}];\n"
@@ -117,23 +102,12 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
         return out
 
     steps, tail = divmod(groups, unroll)
-    advance = f"add.s64 wp, wp, {16 * unroll}; add.s64 sp, sp, {unroll}; add.s64 xp, xp, {64 * unroll};\n"
-    if prefetch and steps > 1:  # the first step's weights before the loop; the last step prefetches nothing
-        swap = "".join(f"mov.b32 {a}, {b};\n" for i in range(mr) for j in range(unroll)
-                       for a, b in ((f"w{i}a{j}", f"v{i}a{j}"), (f"w{i}b{j}", f"v{i}b{j}"),
-                                    (f"s{i}a{j}", f"r{i}a{j}"), (f"s{i}b{j}", f"r{i}b{j}")))  # fmt: skip
-        loop = (
-            load_weights(unroll) + f"mov.u32 n, {steps - 1};\nLOOP${{:uid}}:\n"
-            + load_weights(unroll, "v", "r", ahead=unroll) + step(unroll, weights=False) + swap + advance
-            + "sub.s32 n, n, 1; setp.ne.s32 p, n, 0; @p bra.uni LOOP${:uid};\n"
-            + step(unroll, weights=False) + advance
-        )  # fmt: skip
-    else:
-        loop = (
-            f"mov.u32 n, {steps};\nLOOP${{:uid}}:\n" + step(unroll) + advance
-            + "sub.s32 n, n, 1; setp.ne.s32 p, n, 0; @p bra.uni LOOP${:uid};\n"
-            if steps else ""
-        )  # fmt: skip
+    loop = (
+        f"mov.u32 n, {steps};\nLOOP${{:uid}}:\n" + step(unroll)
+        + f"add.s64 wp, wp, {16 * unroll}; add.s64 sp, sp, {unroll}; add.s64 xp, xp, {64 * unroll};\n"
+        + "sub.s32 n, n, 1; setp.ne.s32 p, n, 0; @p bra.uni LOOP${:uid};\n"
+        if steps else ""
+    )  # fmt: skip
     return (
         "{\n.reg .pred p;\n.reg .b32 tid, lane, warp, g, t, n, r, t0, t1, t2, a0, a1, a2, a3, b0, b1, b2, b3, z;\n"
         ".reg .b16 h0, h1;\n.reg .b64 wp, sp, xp, o;\n.reg .f32 c0, c1, c2, c3, fa, fb;\n.reg .b32 ha, hb;\n"
@@ -240,12 +214,11 @@ def row_tiles(rows: int, gate_up: bool, mr: int) -> int:
 
 def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                           limit=7.0, alpha=1.702, *, sum_k: bool = True, nt: int = 4, mr: int = 4,
-                          unroll: int = 2, fold: bool = False, prefetch: bool = False) -> torch.Tensor:  # fmt: skip
+                          unroll: int = 2, fold: bool = False) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments), each expert read once per 8 * nt of its pairs (CUDA
     only). nt: pair tiles of 8 a warp; mr: row tiles of 16 a warp (gate/up: half gate, half up; fewer when
     the weights have fewer rows); unroll: groups a lane loads before it uses any; fold: the scales folded
-    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`); prefetch: each step loads the next one's
-    weights (`tiles_asm`)."""
+    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`)."""
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     hidden = x.shape[1]
@@ -260,7 +233,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     h = torch.empty(num_pairs + cols, inter, dtype=torch.float16, device=x.device)  # pad rows: never stored
     mr_gu = row_tiles(2 * inter, True, mr)
     asm = tiles_asm(mr_gu, nt, unroll, hidden // 32, [8 * i if i % 2 == 0 else inter + 8 * (i - 1) for i in
-                    range(mr_gu)], gub.stride(1), gus.stride(1), 8 * mr_gu, inter - 8 * mr_gu, 2 * hidden, fold, prefetch)  # fmt: skip
+                    range(mr_gu)], gub.stride(1), gus.stride(1), 8 * mr_gu, inter - 8 * mr_gu, 2 * hidden, fold)  # fmt: skip
     _gate_up_tiles[(max_tiles, triton.cdiv(inter, WARPS.value * 8 * mr_gu))](
         xs, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, *plan, h, num_experts, inter,
         float(limit), float(alpha), gub.stride(0), gus.stride(0),
@@ -270,7 +243,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     )  # fmt: skip
     mr_d = row_tiles(hidden, False, mr)
     asm = tiles_asm(mr_d, nt, unroll, inter // 32, [16 * i for i in range(mr_d)], db.stride(1), ds.stride(1),
-                    16 * mr_d, hidden - 16 * mr_d, 2 * inter, fold, prefetch)  # fmt: skip
+                    16 * mr_d, hidden - 16 * mr_d, 2 * inter, fold)  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_tiles[(max_tiles, triton.cdiv(hidden, WARPS.value * 16 * mr_d))](
