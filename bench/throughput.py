@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from itertools import pairwise
 
 import torch
 
@@ -67,6 +68,7 @@ async def run(
 ) -> dict:
     ttfts: list[float] = []
     events: list[tuple[float, int]] = []  # (time, tokens) of every streamed output: the phases' tokens
+    steps, captures = watch(engine)
     start = time.perf_counter()
 
     async def one(i: int, prompt: list[int]) -> int:
@@ -107,10 +109,43 @@ async def run(
     wall = time.perf_counter() - start
     cut = max(ttfts, default=0.0)  # the last first token: from here on, decode steps only
     late = sum(n for t, n in events if t > cut)
+    decode_steps = sorted(b - a for a, b in pairwise(steps) if a - start > cut)
+    if decode_steps:  # slow steps (a capture, a collection, a compile) show as a long tail
+        median = decode_steps[len(decode_steps) // 2]
+        slow = [d for d in decode_steps if d > 2 * median]
+        print(f"decode-phase steps: {len(decode_steps)}, median {median * 1e3:.1f} ms, p99 "
+              f"{decode_steps[int(0.99 * len(decode_steps))] * 1e3:.1f} ms, max {decode_steps[-1] * 1e3:.0f} ms; "
+              f"{len(slow)} over twice the median, {sum(slow):.2f} s in all; graph captures in the run: "
+              f"{len(captures)} taking {sum(captures):.2f} s", flush=True)  # fmt: skip
     return {"wall_s": wall, "output_tokens": sum(counts), "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
             "prefill_phase_s": cut, "prefill_phase_tokens": sum(counts) - late, "decode_phase_s": wall - cut,
             "decode_phase_tok_s": late / max(wall - cut, 1e-9),
             "gpu_busy_decode_window": busy.get("gpu_busy")}  # fmt: skip
+
+
+def watch(engine: Engine) -> tuple[list[float], list[float]]:
+    """Record when each engine step starts, and how long each CUDA graph capture takes (in-process worker)."""
+    starts: list[float] = []
+    captures: list[float] = []
+    step = engine.step
+
+    def timed_step() -> list:
+        starts.append(time.perf_counter())
+        return step()
+
+    engine.step = timed_step
+    graphs = getattr(engine.worker, "graphs", None)
+    if graphs is not None:
+        capture = graphs._capture
+
+        def timed_capture(*args):
+            t = time.perf_counter()
+            out = capture(*args)
+            captures.append(time.perf_counter() - t)
+            return out
+
+        graphs._capture = timed_capture
+    return starts, captures
 
 
 def warm_up(engine: Engine, hi: int, gen: torch.Generator, args: argparse.Namespace) -> None:
@@ -119,7 +154,7 @@ def warm_up(engine: Engine, hi: int, gen: torch.Generator, args: argparse.Namesp
     machine (a first run in a fresh process measured 62-68 s, the same run in a second one 47 s). Prefills
     of 1-16 prompts (up to one full chunk: every prefill mode) and decode batches of each size class up to
     max_num_seqs, on short prompts. (CUDA graphs are still captured in the run, at first use of a batch
-    and key bucket, as a server captures them.)"""
+    as a server captures them.)"""
     params = SamplingParams(max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
     chunk = max(1, min(args.requests, args.max_num_batched_tokens // max(args.input, 1)))
     for n in sorted({1, 2, 3, 4, chunk}):

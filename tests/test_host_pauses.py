@@ -35,15 +35,14 @@ assert gc.get_freeze_count() == frozen and any(o is new for o in gc.get_objects(
 @pytest.mark.parametrize(
     "captured, wanted, reused",
     [
-        ([(8, 16384)], (4, 16384), (8, 16384)),  # twice the batch: reused
-        ([(16, 16384)], (4, 16384), None),  # four times: capture instead
-        ([(8, 65536)], (8, 16384), (8, 65536)),  # four times the key bound: reused
-        ([(8, 131072)], (8, 16384), None),  # eight times: capture instead
-        ([(4, 8192)], (8, 8192), None),  # smaller than needed: never
-        ([(8, 32768), (8, 16384), (16, 16384)], (8, 16384), (8, 16384)),  # the smallest that fits
+        ([8], 4, 8),  # twice the batch: reused
+        ([16], 4, None),  # four times: capture instead
+        ([4], 8, None),  # smaller than needed: never
+        ([32, 16, 64], 16, 16),  # the smallest that fits
+        ([48, 64], 32, 48),
     ],
 )
 def test_a_step_reuses_a_graph_of_a_slightly_larger_bucket(captured, wanted, reused) -> None:
-    graphs = DecodeGraphs.__new__(DecodeGraphs)  # the choice needs only the captured keys
+    graphs = DecodeGraphs.__new__(DecodeGraphs)  # the choice needs only the captured buckets
     graphs.graphs = {key: key for key in captured}
-    assert graphs._covering(*wanted) == reused
+    assert graphs._covering(wanted) == reused

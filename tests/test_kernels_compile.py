@@ -66,10 +66,13 @@ def _decode(shape: dict, cache_dtype: torch.dtype) -> None:
     table_slots = torch.randint(0, 64, (batch * width,), dtype=torch.int32)
     table_pos = torch.arange(batch * width, dtype=torch.int32) % width
     q_pos = torch.full((batch,), width, dtype=torch.int64)
-    # a short hint: one split; a long one (the bound a CUDA graph is captured with): several
+    # a short hint: one split; a long one: several; per-row splits (a CUDA graph's: no bound known)
     for window, max_kv_len in [(window, width + 1) for window in shape["windows"]] + [(None, 8192)]:
         decode_attention(q, k_cache, v_cache, kv_start, table_slots, table_pos, q_pos, 0.125, window,
                          _sinks(shape), max_kv_len=max_kv_len, kv_end=kv_end, ascending=True)  # fmt: skip
+    for window in shape["windows"]:
+        decode_attention(q, k_cache, v_cache, kv_start, table_slots, table_pos, q_pos, 0.125, window,
+                         _sinks(shape), kv_end=kv_end, ascending=True, per_row_splits=33)  # fmt: skip
 
 
 def _segments(shape: dict, cache_dtype: torch.dtype) -> None:
@@ -350,6 +353,7 @@ def _sampling() -> None:
     thr = torch.full((rows, 1), float("-inf"))
     gumbel_argmax_triton(z, key, None)
     gumbel_argmax_triton(z, key, thr)
+    gumbel_argmax_triton(z, key, None, shift=z.amax(-1, keepdim=True), temperature=torch.full((rows,), 0.7))
     top_p_threshold_triton(z, thr, torch.full((rows,), 0.9))
 
 

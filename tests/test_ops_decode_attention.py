@@ -98,6 +98,20 @@ def test_ascending_rows_read_only_the_window(window: int | None) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_per_row_splits_match_reference(window: int | None, splits: int) -> None:
+    """Chunks cut from each request's own key count (CUDA graphs: no key bound known): rows of 0, 1, 61 and
+    150 keys in 1, 3 or 7 chunks of whole 16-key blocks (7: some chunks of the short rows are empty)."""
+    case = random_case(8, 16, [0, 1, 61, 150], torch.float32, seed=5 + splits)
+    bounds = case["kv_indptr"].tolist()
+    case["q_pos"] = torch.tensor([0] + [int(case["kv_pos"][b - 1]) for b in bounds[2:]])  # own key last
+    ref = float64_ref(case, window, True)
+    out = decode_attention_triton(**case, window=window, block_n=16, ascending=True, per_row_splits=splits)
+    assert rel_err(out[1:], ref[1:]) < 1e-5
+
+
+@interpreted
 def test_decode_bf16_and_default_splits() -> None:
     case = random_case(8, 16, [33, 5, 70], torch.bfloat16, seed=7)
     ref = float64_ref(case, 16, True)

@@ -215,3 +215,10 @@ def test_kernels_on_the_gpu():
     assert same.float().mean() >= 0.95  # sums in another order may move a rare boundary by one token
     cpu = sample(logits.cpu(), cpu_t)
     assert (sample(logits, t).cpu() == cpu).float().mean() >= 0.98  # float rounding may flip a rare tie
+    # no filter: the kernel scales the raw logits itself (z never materialised), greedy rows mixed in
+    ps = [params([0.7, 1.0, 1.3, 0.0][i % 4]) for i in range(rows)]
+    t, cpu_t = (SamplingTensors.build(ps, list(range(rows)), [5] * rows, d) for d in ("cuda", "cpu"))
+    assert not t.filters
+    fused, ref = sample(logits, t).cpu(), sample(logits.cpu(), cpu_t)
+    assert (fused == ref).float().mean() >= 0.98
+    assert torch.equal(fused[3::4], logits[3::4].argmax(-1).cpu())  # temperature 0: the argmax

@@ -11,6 +11,11 @@ program per (request, KV head, chunk) computes an unnormalised partial softmax f
 that KV head at once (GQA packing: each K/V row is read once), and a second kernel merges the chunks
 and folds in the sinks. Decode is bound by the bytes of K and V read, so the splits exist to put enough
 programs in flight to saturate memory bandwidth when the batch is small.
+
+Chunks are cut one of two ways. Given the longest key list (`max_kv_len`, known on the host), every
+request's chunks are the same size, enough for that list. Given `per_row_splits` instead, each program
+cuts its own request's keys into that many equal chunks: nothing then depends on the key count, so one
+captured CUDA graph serves a batch size at any history length (minakv/worker/graphs.py).
 """
 
 from __future__ import annotations
@@ -39,11 +44,19 @@ def decode_attention(
     max_kv_len: int | None = None,  # host-side hint: longest key list (saves a device sync)
     kv_end: torch.Tensor | None = None,  # [B]: then kv_indptr is [B] starts
     ascending: bool = False,  # each request's keys sit at strictly increasing positions, none past q_pos
+    per_row_splits: int | None = None,  # chunks of each request's own keys (then max_kv_len is not needed)
 ) -> torch.Tensor:
     """Attention output [B, Hq, D]: Triton on CUDA tensors, the torch reference otherwise."""
-    fn = decode_attention_triton if use_triton(q) else decode_attention_ref
     args = (q, k_cache, v_cache, kv_indptr, kv_slots, kv_pos, q_pos, scale, window, sinks, max_kv_len, kv_end)
-    return fn(*args, ascending=ascending)
+    if use_triton(q):
+        return decode_attention_triton(*args, ascending=ascending, per_row_splits=per_row_splits)
+    return decode_attention_ref(*args, ascending=ascending)
+
+
+def default_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Chunks a request's keys are cut into: ~6 programs per multiprocessor (H200, batch 64 x 8k: 2 splits
+    best, 1 split 40% slower, 16 splits 10% slower)."""
+    return max(1, triton.cdiv(6 * num_sms(device), batch * num_kv_heads))
 
 
 def _bounds(kv_indptr: torch.Tensor, kv_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +115,7 @@ def decode_attention_triton(
     kv_end: torch.Tensor | None = None,
     *,
     ascending: bool = False,
+    per_row_splits: int | None = None,
     num_splits: int | None = None,
     block_n: int = 128,
     num_warps: int = 4,
@@ -116,16 +130,17 @@ def decode_attention_triton(
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    if max_kv_len is None:
-        max_kv_len = int((ends - starts).max().item())
-    if ascending and window is not None:  # only the last `window` keys can be visible (window_start)
-        max_kv_len = min(max_kv_len, window)
-    if num_splits is None:
-        # Aim at ~6 programs per multiprocessor (H200, batch 64 x 8k: 2 splits best, 1 split 40% slower,
-        # 16 splits 10% slower); never give a chunk fewer than 4 blocks of keys.
-        wanted = triton.cdiv(6 * num_sms(q.device), batch * num_kv_heads)
-        num_splits = max(1, min(wanted, triton.cdiv(max_kv_len, 4 * block_n)))
-    keys_per_split = triton.cdiv(triton.cdiv(max(max_kv_len, 1), num_splits), block_n) * block_n
+    if per_row_splits is not None:  # each program sizes its own chunk (keys_per_split 0, see the kernel)
+        num_splits, keys_per_split = per_row_splits, 0
+    else:
+        if max_kv_len is None:
+            max_kv_len = int((ends - starts).max().item())
+        if ascending and window is not None:  # only the last `window` keys can be visible (window_start)
+            max_kv_len = min(max_kv_len, window)
+        if num_splits is None:  # never a chunk of fewer than 4 blocks of keys
+            wanted = default_splits(batch, num_kv_heads, q.device)
+            num_splits = max(1, min(wanted, triton.cdiv(max_kv_len, 4 * block_n)))
+        keys_per_split = triton.cdiv(triton.cdiv(max(max_kv_len, 1), num_splits), block_n) * block_n
 
     part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
@@ -184,8 +199,11 @@ def _decode_split_kernel(
     end = tl.load(end_ptr + b)
     if HAS_WINDOW and ASCENDING:  # the last `window` keys hold every visible one (window_start)
         start = tl.maximum(start, end - window)
-    lo = start + split * keys_per_split
-    hi = tl.minimum(end, lo + keys_per_split)
+    # keys_per_split 0: per-row splits, this request's own keys in NUM_SPLITS chunks of whole blocks
+    own = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.where(keys_per_split == 0, own, keys_per_split)
+    lo = start + split * chunk
+    hi = tl.minimum(end, lo + chunk)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -272,4 +290,4 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-__all__ = ["decode_attention", "decode_attention_ref", "decode_attention_triton"]
+__all__ = ["decode_attention", "decode_attention_ref", "decode_attention_triton", "default_splits"]

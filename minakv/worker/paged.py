@@ -52,6 +52,7 @@ class PagedContext:
         self.positions, self.slots, self.num_decode = positions, slots, b
         self.decode = (kv_start, kv_end, table.slots, table.positions)
         self.max_kv_len = max(batch.decode_lens, default=0)  # host-side sizes: no read-back in the kernels
+        self.splits: int | None = None  # (CUDA graphs: chunks per request's keys, see decode_only)
         self.segments = (seg_q_indptr, seg_kv_indptr, seg_kv_slots, seg_kv_pos)
         self.max_seg_len = max((y - x for x, y in pairwise(batch.seg_q_indptr)), default=0)
         self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -67,15 +68,16 @@ class PagedContext:
         kv_start: torch.Tensor,
         kv_end: torch.Tensor,
         table: KeyTable,
-        max_kv_len: int,
+        splits: int,
     ) -> PagedContext:
         """A context of decode queries only, over device tensors the caller owns (the static buffers of
-        a CUDA graph, minakv/worker/graphs.py); `max_kv_len` bounds every request's key count."""
+        a CUDA graph, minakv/worker/graphs.py). No key count is known: decode attention cuts each request's
+        own keys into `splits` chunks."""
         self = cls.__new__(cls)
         self.k_cache, self.v_cache = k_cache, v_cache
         self.positions, self.slots, self.num_decode = positions, slots, positions.shape[0]
         self.decode = (kv_start, kv_end, table.slots, table.positions)
-        self.max_kv_len = max_kv_len
+        self.max_kv_len, self.splits = 0, splits
         self.segments, self.max_seg_len = None, 0
         self._cos_sin, self._plan = {}, None
         return self
@@ -107,6 +109,7 @@ class PagedContext:
                 max_kv_len=self.max_kv_len + 1,
                 kv_end=kv_end,
                 ascending=True,
+                per_row_splits=self.splits,
             )  # fmt: skip  (a row's keys sit at increasing positions: active tokens in logical order)
         if q.shape[0] > b:
             seg_q_indptr, seg_kv_indptr, kv_slots, kv_pos = self.segments

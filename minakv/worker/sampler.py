@@ -71,6 +71,11 @@ class SamplingTensors:
     mask_rows: torch.Tensor | None = None  # [G] int64: the sample rows with a grammar
     token_mask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32: their allowed tokens, one bit each
 
+    @property
+    def filters(self) -> bool:
+        """Does some sampled row cut its distribution (top-k, top-p, min-p)?"""
+        return self.any_top_k or self.any_top_p or self.any_min_p
+
     @staticmethod
     def build(
         params: list[SamplingParams],
@@ -186,7 +191,7 @@ def neg_log_exponential(key: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def thresholds(z: torch.Tensor, t: SamplingTensors) -> torch.Tensor | None:
     """[R, 1] float32: the smallest z a row keeps under its top-k, top-p and min-p, or None (keep all)."""
-    if not (t.any_top_k or t.any_top_p or t.any_min_p):
+    if not t.filters:
         return None
     rows = z.shape[0]
     thr = torch.full((rows, 1), float("-inf"), device=z.device)
@@ -263,6 +268,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors, tables: PenaltyTables | Non
     # Subtract the row max before dividing, so a tiny temperature cannot overflow to inf (and inf - inf).
     top = logits.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
+    if use_triton(logits) and not t.filters:  # the kernel scales the logits itself: z never materialised
+        drawn = gumbel_argmax_triton(logits, t.key, None, shift=top, temperature=t.temperature)
+        return torch.where(t.greedy, greedy_tokens, drawn)
     z = (logits - top).div_(t.temperature[:, None])
     thr = thresholds(z, t)
     if use_triton(z):
