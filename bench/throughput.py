@@ -14,18 +14,22 @@ runs first: prefills up to one full chunk and decode batches of every size class
 compiles each kernel variant the run takes). Reported per path: wall seconds,
 output tokens/s (the published figure's unit), total (input + output) tokens/s, mean TTFT, and the run cut
 in two phases at the last first token: the prefill phase (every prompt read, while early requests already
-decode) and the decode phase (only decode steps), with the output tokens of each. The GPU busy
-fraction comes from a CUDA-only profile of a window of decode steps (`--busy-window` seconds, while the
-run is in its decode phase). Rows go to $OUT/throughput.json.
+decode) and the decode phase (only decode steps), with the output tokens of each, and the decode phase's
+slow steps (graph captures, full garbage collections). The GPU busy fraction comes from a CUDA-only
+profile of a window of decode steps (`--busy-window` seconds) of a second, shorter run of the same shape
+(`--busy-output` tokens out): the profiler's start and the parse of its events at the end hold the GIL
+for seconds, which would stall the timed run. Rows go to $OUT/throughput.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from itertools import pairwise
 
@@ -68,7 +72,7 @@ async def run(
 ) -> dict:
     ttfts: list[float] = []
     events: list[tuple[float, int]] = []  # (time, tokens) of every streamed output: the phases' tokens
-    steps, captures = watch(engine)
+    steps, captures, collections, unwatch = watch(engine)
     start = time.perf_counter()
 
     async def one(i: int, prompt: list[int]) -> int:
@@ -116,18 +120,34 @@ async def run(
         print(f"decode-phase steps: {len(decode_steps)}, median {median * 1e3:.1f} ms, p99 "
               f"{decode_steps[int(0.99 * len(decode_steps))] * 1e3:.1f} ms, max {decode_steps[-1] * 1e3:.0f} ms; "
               f"{len(slow)} over twice the median, {sum(slow):.2f} s in all; graph captures in the run: "
-              f"{len(captures)} taking {sum(captures):.2f} s", flush=True)  # fmt: skip
+              f"{len(captures)} taking {sum(captures):.2f} s; full garbage collections in the decode phase: "
+              f"{sum(1 for t, _ in collections if t - start > cut)} taking "
+              f"{sum(d for t, d in collections if t - start > cut):.2f} s", flush=True)  # fmt: skip
+    unwatch()
     return {"wall_s": wall, "output_tokens": sum(counts), "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
             "prefill_phase_s": cut, "prefill_phase_tokens": sum(counts) - late, "decode_phase_s": wall - cut,
             "decode_phase_tok_s": late / max(wall - cut, 1e-9),
             "gpu_busy_decode_window": busy.get("gpu_busy")}  # fmt: skip
 
 
-def watch(engine: Engine) -> tuple[list[float], list[float]]:
-    """Record when each engine step starts, and how long each CUDA graph capture takes (in-process worker)."""
+def watch(engine: Engine) -> tuple[list[float], list[float], list[tuple[float, float]], Callable[[], None]]:
+    """Record when each engine step starts, how long each CUDA graph capture takes (in-process worker), and
+    when each full garbage collection ran and for how long (any thread: it holds the GIL); the last item
+    undoes the watching."""
     starts: list[float] = []
     captures: list[float] = []
+    collections: list[tuple[float, float]] = []
     step = engine.step
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                began[0] = time.perf_counter()
+            else:
+                collections.append((began[0], time.perf_counter() - began[0]))
+
+    gc.callbacks.append(on_gc)
 
     def timed_step() -> list:
         starts.append(time.perf_counter())
@@ -145,7 +165,14 @@ def watch(engine: Engine) -> tuple[list[float], list[float]]:
             return out
 
         graphs._capture = timed_capture
-    return starts, captures
+
+    def unwatch() -> None:
+        del engine.step  # the class's method again
+        if graphs is not None:
+            del graphs._capture
+        gc.callbacks.remove(on_gc)
+
+    return starts, captures, collections, unwatch
 
 
 def warm_up(engine: Engine, hi: int, gen: torch.Generator, args: argparse.Namespace) -> None:
@@ -174,7 +201,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="gpt-oss-20b")
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--busy-window", type=float, default=2.0, help="seconds of decode profiled (CUDA)")
+    p.add_argument(
+        "--busy-window",
+        type=float,
+        default=2.0,
+        help="seconds of decode profiled (CUDA), in a second run of --busy-output tokens out",
+    )
+    p.add_argument("--busy-output", type=int, default=256)  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="tiny model and sizes (a CPU smoke test)")
     p.add_argument("--no-detokenize", action="store_true",
                    help="token ids only, no text (as trtllm-bench's token-in / token-out runs)")  # fmt: skip
@@ -196,17 +229,15 @@ def main(argv: list[str] | None = None) -> None:
         hi = min(engine.model.config.vocab_size, MAX_TOKEN_ID)
         warm_up(engine, hi, gen, args)
         prompts = torch.randint(0, hi, (args.requests, args.input), generator=gen).tolist()
-        row = asyncio.run(
-            run(
-                engine,
-                prompts,
-                args.output,
-                args.busy_window,
-                args.sample_host,
-                not args.no_detokenize,
-                args.kernels,
-            )
-        )
+        detokenize = not args.no_detokenize
+        row = asyncio.run(run(engine, prompts, args.output, 0.0, False, detokenize))  # timed: no profiler
+        if DEVICE == "cuda" and args.busy_window > 0:
+            # GPU busy from a second, shorter run of the same shape, profiled in its decode phase: the
+            # profiler's start and its parse at the end hold the GIL for seconds, so not in the timed run
+            probe = torch.randint(0, hi, (args.requests, args.input), generator=gen).tolist()
+            profiled = asyncio.run(run(engine, probe, args.busy_output, args.busy_window, args.sample_host,
+                                       detokenize, args.kernels))  # fmt: skip
+            row["gpu_busy_decode_window"] = profiled["gpu_busy_decode_window"]
         row.update(path=path, detokenize=not args.no_detokenize, switch_interval=sys.getswitchinterval(), requests=args.requests, input=args.input, output=args.output,
                    output_tok_s=row["output_tokens"] / row["wall_s"],
                    total_tok_s=(row["output_tokens"] + args.requests * args.input) / row["wall_s"])  # fmt: skip
@@ -215,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['total_tok_s']:.0f} total tok/s, TTFT mean {row['ttft_mean_s']:.2f} s; prefill phase "
               f"{row['prefill_phase_s']:.1f} s ({row['prefill_phase_tokens']} output tokens), decode phase "
               f"{row['decode_phase_s']:.1f} s at {row['decode_phase_tok_s']:.0f} tok/s; "
-              f"GPU busy (decode window) {row['gpu_busy_decode_window']}", flush=True)  # fmt: skip
+              f"GPU busy (decode window of a second, profiled run) {row['gpu_busy_decode_window']}", flush=True)  # fmt: skip
         engine.shutdown()
         del engine
     log.save("throughput.json")
