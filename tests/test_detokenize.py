@@ -197,7 +197,7 @@ def test_stop_string_across_a_token_boundary(tok):
     assert stop not in tok.decode(ids[: need - 1]) and tok.decode(ids[need - 1 : need]) not in ("", stop)
     r = request_for(tok, tok.encode("Say hi"), SamplingParams(max_tokens=100, stop=[stop]))
     n, streamed = run(tok, r, ids)
-    assert (n, r.finish_reason, r.text) == (need, "stop", "Hel")
+    assert (n, r.finish_reason, str(r.text)) == (need, "stop", "Hel")
     assert r.output(incremental=False).text == "Hel" and streamed == "Hel"
     assert r.output_ids == ids[:need]
 
@@ -207,7 +207,12 @@ def test_stop_string_inside_a_split_character(tok):
     ids = [bytes_[b] for b in "ab😀cd".encode()]
     r = request_for(tok, tok.encode("x"), SamplingParams(max_tokens=100, stop=["b😀"]))
     n, streamed = run(tok, r, ids)
-    assert (n, r.finish_reason, r.text, streamed) == (6, "stop", "a", "a")  # a, b, then the 4 emoji bytes
+    assert (n, r.finish_reason, str(r.text), streamed) == (
+        6,
+        "stop",
+        "a",
+        "a",
+    )  # a, b, then the 4 emoji bytes
 
 
 def test_stop_string_only_in_the_prompt_is_not_matched(tok):
@@ -216,7 +221,7 @@ def test_stop_string_only_in_the_prompt_is_not_matched(tok):
     r = request_for(tok, prompt, SamplingParams(max_tokens=100, stop=["STOP", "Answer"]))
     n, streamed = run(tok, r, outputs)
     assert n == len(outputs) and r.finish_reason is None
-    assert r.text == tok.decode(outputs)
+    assert str(r.text) == tok.decode(outputs)
     assert streamed == tok.decode(outputs)[: len(streamed)]  # held back: could start "STOP"/"Answer"
 
 
@@ -227,8 +232,29 @@ def test_streamed_text_equals_final_text(tok):
         r = request_for(tok, tok.encode("hi"), SamplingParams(max_tokens=len(outputs), stop=["zzz"]))
         n, streamed = run(tok, r, outputs)
         assert n == len(outputs) and r.finish_reason == "length"
-        assert r.text == tok.decode(outputs)  # a trailing partial character included, as U+FFFD
-        assert streamed == r.text
+        assert str(r.text) == tok.decode(outputs)  # a trailing partial character included, as U+FFFD
+        assert streamed == str(r.text)
+
+
+@pytest.mark.parametrize("every", [1, 37, 10_000])
+def test_long_outputs_stream_and_stop_past_the_settled_text(tok, every):
+    """Outputs long enough that the text settles into chunks many times (minakv/text/output_text.py): a
+    stream reading every token, one reading every 37th (its slices reach into the chunks), one reading only
+    at the end; a stop string that first matches after ~3,000 characters is still found and cut, and the
+    streamed text equals the final text equals the decode."""
+    rng = random.Random(every)
+    words = " ".join(rng.choice(["alpha", "beta", "gamma", "😀", "日本", "x"]) for _ in range(600))
+    outputs = tok.encode(words + " STOPWORD and more")
+    r = request_for(tok, tok.encode("hi"), SamplingParams(max_tokens=4000, stop=["STOPWORD", "never-seen"]))
+    streamed = ""
+    for k, t in enumerate(outputs):
+        done = apply_token(r, t, None, tok, 8192)
+        if done or k % every == 0:
+            streamed += r.output(incremental=True).text
+        if done:
+            break
+    assert r.finish_reason == "stop" and len(r.text.chunks) > 5
+    assert str(r.text) == streamed == words + " " == r.output(incremental=False).text
 
 
 def test_length_with_a_partial_character_keeps_its_replacement(tok):
@@ -236,14 +262,14 @@ def test_length_with_a_partial_character_keeps_its_replacement(tok):
     outputs = [bytes_[b] for b in "ok😀".encode()][:4]  # o, k, and 2 of the emoji's 4 bytes
     r = request_for(tok, tok.encode("hi"), SamplingParams(max_tokens=4))
     run(tok, r, outputs)
-    assert r.finish_reason == "length" and r.text == tok.decode(outputs) and r.text.endswith(FFFD)
+    assert r.finish_reason == "length" and str(r.text) == tok.decode(outputs) and str(r.text).endswith(FFFD)
 
 
 def test_stop_token_and_eos(tok):
     outputs = tok.encode("one two three four")
     r = request_for(tok, tok.encode("hi"), SamplingParams(max_tokens=100, stop_token_ids=[outputs[2]]))
     n, _ = run(tok, r, outputs)
-    assert (n, r.finish_reason, r.text) == (
+    assert (n, r.finish_reason, str(r.text)) == (
         3,
         "stop",
         tok.decode(outputs[:2]),

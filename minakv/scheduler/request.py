@@ -28,6 +28,7 @@ from minakv.cache.program import Program
 from minakv.grammar import GrammarMatcher
 from minakv.outputs import RequestOutput, TokenLogprob, Usage
 from minakv.params import SamplingParams
+from minakv.text.output_text import OutputText
 
 _ids = itertools.count()
 
@@ -83,7 +84,7 @@ class Request:
     lost: bool = False  # ended because a worker process died (its output is then `Unavailable`)
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
-    text: str = ""
+    text: OutputText = field(default_factory=OutputText)  # str(r.text): the output's text so far
     sent_tokens: int = 0  # how many output tokens a stream has already delivered
     sent_text: int = 0
     detok: Any = None  # incremental detokenizer state (minakv/text/detokenize.py), made on first use
@@ -125,15 +126,17 @@ class Request:
         text_end = len(self.text)
         if not self.finish_reason:
             text_end -= self.hold_back
-            while text_end > 0 and self.text[text_end - 1] == "\ufffd":  # a character still being decoded
+            while (
+                text_end > 0 and self.text.char(text_end - 1) == "\ufffd"
+            ):  # a character still being decoded
                 text_end -= 1
         text_end = max(self.sent_text, text_end)
         if incremental:
-            ids, text = self.output_ids[self.sent_tokens :], self.text[self.sent_text : text_end]
+            ids, text = self.output_ids[self.sent_tokens :], self.text.slice(self.sent_text, text_end)
             lps = self.logprobs[self.sent_tokens :] if self.params.logprobs is not None else None
             self.sent_tokens, self.sent_text = len(self.output_ids), text_end
         else:
-            ids, text = list(self.output_ids), self.text
+            ids, text = list(self.output_ids), str(self.text)
             lps = list(self.logprobs) if self.params.logprobs is not None else None
         usage = Usage(**vars(self.usage))
         if self.lost and self.finish_reason == "error":

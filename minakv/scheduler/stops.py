@@ -8,9 +8,10 @@ limit; with "error" if the grammar refuses the token (its mask makes that imposs
 
 This runs for every request in every engine step, so its work per token is O(1), whatever the output's
 length: the text grows by what an incremental detokenizer (minakv/text/detokenize.py) says the token
-completes, and a stop string is looked for only where the new text could complete one.
+completes (appended to an `OutputText`, minakv/text/output_text.py: no copy of the text so far), and a
+stop string is looked for only where the new text could complete one.
 
-`r.text` is what `tokenizer.decode(r.output_ids)` gives, less a trailing partial character (U+FFFD) while
+`str(r.text)` is what `tokenizer.decode(r.output_ids)` gives, less a trailing partial character (U+FFFD) while
 running; when the request finishes, that held-back U+FFFD is appended too, so the final text is exactly the
 full decode (cut before a stop string; a stop token's own text is never added). A request that asked for
 token ids only (`detokenize=False`) has no text.
@@ -37,12 +38,12 @@ def apply_token(r: Request, token: int, logprob: TokenLogprob | None, tokenizer,
         new = r.detok.push(token)
         if new:
             start = len(r.text)
-            r.text += new
+            r.text.append(new, keep=r.hold_back)  # (the tail keeps the last len(s) - 1 characters)
             for s in r.stop_strings:
                 # A match not found before must end in the new text: start at most len(s) - 1 before it.
                 at = r.text.find(s, max(0, start - len(s) + 1))
                 if at >= 0:
-                    r.text = r.text[:at]
+                    r.text.cut(at)
                     r.finish_reason = "stop"
                     return True
     if r.grammar is not None:
@@ -67,5 +68,5 @@ def _finish(r: Request, reason: str) -> bool:
     """End r: the text held back as an incomplete character (U+FFFD) is final now."""
     r.finish_reason = reason
     if r.detok is not None:
-        r.text += r.detok.flush()
+        r.text.append(r.detok.flush())
     return True
