@@ -199,7 +199,7 @@ def test_stop_string_across_a_token_boundary(tok):
     n, streamed = run(tok, r, ids)
     assert (n, r.finish_reason, str(r.text)) == (need, "stop", "Hel")
     assert r.output(incremental=False).text == "Hel" and streamed == "Hel"
-    assert r.output_ids == ids[:need]
+    assert r.output_ids.tolist() == ids[:need]
 
 
 def test_stop_string_inside_a_split_character(tok):

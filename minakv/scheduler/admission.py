@@ -78,7 +78,7 @@ def publishable(r: Request, page_size: int) -> tuple[dict[int, PageKey], list[in
     took from the cache are indexed already, so the hashing is proportional to what r computed, not to its
     history. Planned pages reuse the keys of planning; only pages of decode entries are hashed here.
 
-    The live keys (`r.decode_keys`) are the plan's `final_keys` followed by every decode entry, so their
+    The live keys are the plan's `final_keys` followed by every decode entry, so their
     pages come from the plan (once per plan) and one range: no pass over a Python list of the history."""
     plan, ps, pages = r.plan, page_size, r.pages
     resolved = int(r.todo[r.cursor]) if r.cursor < len(r.todo) else r.num_entries

@@ -45,12 +45,11 @@ def add_decode(
     slot = slot_of(r, e, page_size)
     if r.row < 0:  # first decode step since (re)admission: the row gets all keys at once
         r.row = rows.pop()
-        keys = r.plan.final_keys  # = r.decode_keys: planned entries only, right after planning
+        keys = r.plan.final_keys  # the keys the plan leaves live (no decode entry yet since planning)
         batch.write_row(r.row, 0, slots_of(r, page_size, keys), r.plan.position[keys])
         r.row_len = len(keys)
         if split and r.penalty_row >= 0:  # counted on the prefill worker so far
-            batch.penalty_resets.append((r.penalty_row, r.prompt_ids, list(r.output_ids)))
-    r.decode_keys.append(e)
+            batch.penalty_resets.append((r.penalty_row, r.prompt_ids, r.output_ids.tolist()))
     # the new key's table write follows from the columns below (ForwardBatch.decode_key_writes)
     r.row_len += 1
     # the input: a known token, or the one the previous step samples for r (still on the device)
@@ -117,7 +116,7 @@ def sample_last(batch: ForwardBatch, r: Request, penalty_rows: list[int]) -> Non
     batch.sample_counters.append(len(r.output_ids) + r.pending)
     if r.params.penalized and r.penalty_row < 0:  # first sample since (re)admission: fill its row
         r.penalty_row = penalty_rows.pop()
-        batch.penalty_resets.append((r.penalty_row, r.prompt_ids, list(r.output_ids)))
+        batch.penalty_resets.append((r.penalty_row, r.prompt_ids, r.output_ids.tolist()))
     batch.sample_penalty_rows.append(r.penalty_row)
     batch.scheduled.append(r)
     r.pending += 1

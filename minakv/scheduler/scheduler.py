@@ -16,6 +16,7 @@ is recomputed later, usually from those very pages).
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections import deque
 from collections.abc import Callable
 
@@ -264,9 +265,8 @@ class Scheduler:
         """Plan the entries of r's tokens so far (the prompt, plus any output before a preemption)."""
         tokens = r.all_ids
         r.plan = plan = plan_request(r.program, tokens, self.plans)
-        r.decode_tokens, r.decode_positions = [], []
+        r.decode_tokens, r.decode_positions = array("q"), array("q")
         r.page_keys = plan.keys
-        r.decode_keys = plan.final_keys.tolist()
         r.next_pos = int(r.program.birth_positions([len(tokens)])[0])
 
     def _share(self, r: Request) -> None:
