@@ -13,8 +13,6 @@ the scheduler through an inbox, so the scheduler itself is only ever touched by 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import gc
 import logging
 import threading
 import time
@@ -24,6 +22,7 @@ from typing import Any, Self
 
 from minakv.cache.validate import CacheOpError
 from minakv.config import EngineConfig
+from minakv.gc_pauses import quiet_gc
 from minakv.model import CausalLM
 from minakv.outputs import RequestOutput
 from minakv.params import SamplingParams
@@ -60,7 +59,7 @@ class Engine:
             model=str(model) if isinstance(model, (str, Path)) else "custom", **kwargs
         )
         config.check()
-        freeze_imports()
+        quiet_gc()
         on_allocate = None
         if config.worker_processes:  # the model and its KV live in worker processes (one per rank)
             if not isinstance(model, (str, Path)):
@@ -366,20 +365,6 @@ class Engine:
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
-
-
-def freeze_imports() -> None:
-    """Move what exists now (imported libraries: hundreds of thousands of objects that live as long as the
-    process) out of the garbage collector's sight. A full collection scans every tracked object, so while
-    serving it held the engine thread for 0.1-0.4 s with the device idle (bench/gpu_gaps.py). Once per
-    process, at the first engine, after a collection: only live objects are frozen, and later engines'
-    objects stay collectable (a frozen cycle is never freed). At exit they are unfrozen for the
-    interpreter's last collection."""
-    if gc.get_freeze_count():
-        return
-    gc.collect()
-    gc.freeze()
-    atexit.register(gc.unfreeze)
 
 
 def _progress(total: int):

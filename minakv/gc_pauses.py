@@ -1,0 +1,43 @@
+"""Keeping Python's garbage collector from stopping the engine while it serves.
+
+A collection holds the GIL, so while it runs the engine thread launches nothing and the device goes idle.
+Two things make collections long or frequent in a serving process:
+
+    full collections   scan every tracked object: the imported libraries' hundreds of thousands of them,
+                       and every item of every list (a request's growing outputs: kept in int arrays)
+    young collections  run every 700 net allocations (CPython 3.12); a serving step makes hundreds of
+                       short-lived objects per request, and each young collection promotes what is briefly
+                       alive, which in turn sets off full collections
+
+`quiet_gc`, run by the first engine of a process, freezes what exists (the imports) and spaces the young
+collections out. docs/engine.md ("Garbage collection") has the measurements.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+
+GC_YOUNG_THRESHOLD = 50_000  # net allocations between young collections (CPython: 700 in 3.12, 2,000 in 3.13)
+
+
+def quiet_gc() -> None:
+    """Move what exists now (imported libraries: hundreds of thousands of objects that live as long as the
+    process) out of the garbage collector's sight. A full collection scans every tracked object, so while
+    serving it held the engine thread for 0.1-0.4 s with the device idle (bench/gpu_gaps.py). Once per
+    process, at the first engine, after a collection: only live objects are frozen, and later engines'
+    objects stay collectable (a frozen cycle is never freed). At exit they are unfrozen for the
+    interpreter's last collection.
+
+    Also raises the young generation's threshold (never lowers it; a disabled collector stays disabled).
+    A serving step allocates hundreds of short-lived objects per request; at 700 a young collection ran
+    every few steps and, by promoting what was briefly alive, a full one every second or so at 512 streams
+    (tens of ms each, every thread stopped). At 50,000 none ran in 1,000 steps (bench/RESULTS.md)."""
+    if gc.get_freeze_count():
+        return
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)
+    young, *older = gc.get_threshold()
+    if young:
+        gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), *older)
