@@ -15,6 +15,7 @@
 #   prefill20 issue 12: gpt-oss-20b (dummy MXFP4) prefill of 128 x 1,024 tokens, chunk 16,384: its kernels    ~80 s
 #   throughput issue 12: 512 x 1k in / 1k out, MXFP4 (dummy 20b) beside bf16 (bench/throughput.py) ~300 s
 #   ids       issue 12: the same run, MXFP4 only, token ids only (--no-detokenize, as trtllm-bench)   ~70 s
+#   transfer  issue 14 (nvidia-h200-x2): the prefill->decode KV transfer against plain NCCL sends, bf16 and fp8 ~60 s
 #   ceiling   issue 12: how fast one kernel can read 3-1024 MB (the floor of a decode GEMV's size)   ~30 s
 #   fp8       issue 12: MiniMax-M2 FP8 projections and MoE (GEMV, x-in-asm, tensor cores), 8 layers  ~60 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
@@ -43,6 +44,7 @@ for step in $STEPS; do
         prefill20) timeout 200 python3 bench/prefill_long.py --dummy gpt-oss-20b --lengths 1024 --requests 128 --chunk 16384 --kernels ;;
         throughput) timeout 400 python3 bench/throughput.py ;;
         ids) timeout 200 python3 bench/throughput.py --paths mxfp4 --no-detokenize --sample-host --kernels ;;
+        transfer) timeout 200 python3 bench/pd_transfer.py && timeout 200 python3 bench/pd_transfer.py --kv-fp8 ;;
         ceiling) timeout 120 python3 bench/read_ceiling.py ;;
         fp8) timeout 300 python3 bench/bench_fp8.py --tokens 1,4,64 --layers 8 ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;

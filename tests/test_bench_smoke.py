@@ -101,3 +101,15 @@ def test_agent_replay_max_position_matches_the_program() -> None:
             program = compile_program(owners, len(lengths), ops.get("drop"), ops.get("reposition"))
             best = max(best, int(program.birth_pos.max()), program.next_pos + args.assistant_tokens - 1)
         assert ar.max_position(mode, args) == best, mode
+
+
+def test_pd_transfer_tiny(tmp_path: Path) -> None:
+    """Two CPU processes over gloo: the engine's KV transfer and the plain sends move the same bytes."""
+    stdout = run_script("pd_transfer.py", ["--tiny", "--pages", "4,16", "--repeats", "1"], tmp_path)
+    assert "transfer / send" in stdout
+    rows = [r for r in json.loads((tmp_path / "pd_transfer.json").read_text()) if r["kind"] == "pd_transfer"]
+    assert [r["pages"] for r in rows] == [4, 16]
+    for r in rows:
+        assert r["mb"] == r["pages"] * 16 * 2 * 2 * 2 * 16 * 2 / 1e6  # K and V, layers, heads, dim, bf16
+        assert r["transfer_s"] > 0 and r["send_s"] > 0 and r["send_per_layer_s"] > 0
+        assert r["verified"]  # the receiver's pages are the sender's
