@@ -52,21 +52,21 @@ def sampling(mode: str, batch: int, n: int, args: argparse.Namespace) -> list[Sa
                            ignore_eos=True) for i in range(batch)]  # fmt: skip
 
 
-def graph_replay_ms(engine: Engine, batch: int, keys: int) -> float | None:
-    """Device time of one decode step at `batch` with up to `keys` keys per row: the median replay of the
-    captured graph the engine used for it (None on CPU or when none was captured)."""
+def graph_replay_ms(engine: Engine, batch: int) -> float | None:
+    """Device time of one decode step at `batch`: the median replay of the captured graph the engine used
+    for it, with the inputs of its last step (None on CPU or when none was captured)."""
     graphs = engine.worker.graphs
-    g = graphs.find(batch, keys) if graphs is not None else None
+    g = graphs.find(batch) if graphs is not None else None
     if g is None:
         return None
     return float(triton.testing.do_bench(g.graph.replay, warmup=10, rep=100, return_mode="median"))
 
 
-def kernel_table(engine: Engine, batch: int, keys: int, replays: int = 20, top: int = 24) -> None:
+def kernel_table(engine: Engine, batch: int, replays: int = 20, top: int = 24) -> None:
     """Print the kernels of one decode step's graph at `batch`: where the step's device time goes (each
     launch costs a few microseconds even when it moves almost no bytes)."""
     graphs = engine.worker.graphs
-    g = graphs.find(batch, keys) if graphs is not None else None
+    g = graphs.find(batch) if graphs is not None else None
     if g is None:
         return
     from torch.profiler import ProfilerActivity, profile
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
             rows[batch, "sampled"]["sampled_over_greedy"] = ratio
         print({k: round(v["ms_per_step"], 3) for k, v in rows.items() if k[0] == batch}, flush=True)
     for (batch, mode), row in rows.items():
-        replay_ms = graph_replay_ms(engine, batch, args.prompt + args.n2)
+        replay_ms = graph_replay_ms(engine, batch)
         row.update(
             graph_replay_ms=replay_ms, gpu_busy=None if replay_ms is None else replay_ms / row["ms_per_step"]
         )
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     log.save("decode_sweep.json")
     if args.kernels and DEVICE == "cuda":
         for batch in args.batches:
-            kernel_table(engine, batch, args.prompt + args.n2)
+            kernel_table(engine, batch)
     print(f"\n=== decode sweep, {args.dummy or f'{args.layers} layers'}, prompt {args.prompt}, {env} ===")
     print("batch | mode | ms/step | tok/s | of bytes bound | sampled/greedy | GPU busy (graph replay / step)")
     for r in rows.values():

@@ -175,7 +175,7 @@ def time_ours(engine: Engine, run, batch: int, args, need: float, bw: float) -> 
     ours_s = step_time(run, batch, args.n1, args.n2)
     graphs = engine.worker.graphs
     replay_ms = None
-    g = graphs.find(batch, args.prompt + args.n2) if graphs is not None else None
+    g = graphs.find(batch) if graphs is not None else None
     if g is not None:
         replay_ms = float(triton.testing.do_bench(g.graph.replay, warmup=20, rep=200, return_mode="median"))
     return {
