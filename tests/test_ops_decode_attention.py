@@ -98,7 +98,7 @@ def test_ascending_rows_read_only_the_window(window: int | None) -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("window", [None, 8, 100])  # (a window allows fewer chunks: 1 and up to 2 here)
 @pytest.mark.parametrize("splits", [1, 3, 7])
 def test_per_row_splits_match_reference(window: int | None, splits: int) -> None:
     """Chunks cut from each request's own key count (CUDA graphs: no key bound known): rows of 0, 1, 61 and

@@ -132,6 +132,8 @@ def decode_attention_triton(
         return out
     if per_row_splits is not None:  # each program sizes its own chunk (keys_per_split 0, see the kernel)
         num_splits, keys_per_split = per_row_splits, 0
+        if ascending and window is not None:  # a row reads at most `window` keys: chunks of 4+ blocks of them
+            num_splits = max(1, min(num_splits, triton.cdiv(window, 4 * block_n)))
     else:
         if max_kv_len is None:
             max_kv_len = int((ends - starts).max().item())
