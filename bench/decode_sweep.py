@@ -2,7 +2,12 @@
 with random bf16 weights (bench/e2e_decode.py builds it).
 
     PYTHONUNBUFFERED=1 python bench/decode_sweep.py [--batches 1,16,64,128,256] [--prompt 1024]
-        [--layers 24] [--n1 8] [--n2 56] [--dummy gpt-oss-120b] [--tiny]
+        [--layers 24] [--n1 8] [--n2 56] [--dummy gpt-oss-120b] [--tp 2] [--ep 2] [--tiny]
+
+`--tp` / `--ep` (with `--dummy`): the model on max(tp, ep) GPUs, one worker process each
+(docs/parallel.md). Then the bytes bound is the whole step's bytes over the GPUs' summed copy bandwidth
+(as if every byte were split evenly; replicated weights make the real bound higher), and GPU busy is not
+measured (the graphs live in the worker processes).
 
 Sampling modes: `greedy` (temperature 0) and `sampled` (temperature 1, top_p 0.9, one seed per request,
 so every request takes the seeded path of the sampler). Per (batch, mode): milliseconds per decode step
@@ -38,6 +43,7 @@ from common import Log, copy_bandwidth
 from e2e_decode import DEVICE, build_ours, configs, step_bytes, step_time
 
 from minakv import Engine, SamplingParams
+from minakv.model import make_meta_model
 
 MODES = ("greedy", "sampled")
 # (full defaults, --tiny defaults)
@@ -109,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dummy", default=None, help="a real shape with dummy weights (gpt-oss-20b, gpt-oss-120b)"
     )
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (with --dummy)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (with --dummy)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument(
         "--kv-tokens", type=int, default=None, help="KV pool size (default: what the batches need)"
@@ -124,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown modes {bad}; choose from {MODES}")
     if args.n2 <= args.n1:
         p.error("--n2 must exceed --n1")
+    if max(args.tp, args.ep) > 1 and not args.dummy:
+        p.error("--tp / --ep need --dummy (worker processes load the model by name)")
     return args
 
 
@@ -132,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         torch.set_num_threads(1)  # tiny ops: thread synchronisation costs more than it saves
     torch.manual_seed(0)
-    bw = copy_bandwidth() if DEVICE == "cuda" else None
+    bw = copy_bandwidth() * max(args.tp, args.ep) if DEVICE == "cuda" else None  # (summed over the GPUs)
     t = time.perf_counter()
     top = max(args.batches)
     longest = args.n2 + math.ceil(top * args.prompt / args.max_num_batched_tokens) + 8
@@ -143,9 +153,14 @@ def main(argv: list[str] | None = None) -> None:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_cache": False,
     }
+    world = max(args.tp, args.ep)
+    if world > 1:
+        options.update(tensor_parallel_size=args.tp, expert_parallel_size=args.ep)
     if args.dummy:  # a real shape in its checkpoint's precision (GPT-OSS: MXFP4 experts)
         engine = Engine(args.dummy, load_format="dummy", **options)
-        model, config = engine.model, engine.model.config
+        config = engine.model.config
+        # worker processes hold the model: count its bytes on a storage-less copy of the same shapes
+        model = engine.model if world == 1 else make_meta_model(config)
     else:
         _, config = configs(args.layers, args.tiny)
         model = build_ours(config, torch.bfloat16 if DEVICE == "cuda" else torch.float32)
@@ -197,7 +212,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.kernels and DEVICE == "cuda":
         for batch in args.batches:
             kernel_table(engine, batch)
-    print(f"\n=== decode sweep, {args.dummy or f'{args.layers} layers'}, prompt {args.prompt}, {env} ===")
+    engine.shutdown()  # (worker processes stop with it)
+    world = f", tp {args.tp}, ep {args.ep}" if max(args.tp, args.ep) > 1 else ""
+    print(
+        f"\n=== decode sweep, {args.dummy or f'{args.layers} layers'}{world}, prompt {args.prompt}, {env} ==="
+    )
     print("batch | mode | ms/step | tok/s | of bytes bound | sampled/greedy | GPU busy (graph replay / step)")
     for r in rows.values():
         print(f"{r['batch']} | {r['mode']} | {r['ms_per_step']:.3f} | {r['tok_s']:.1f} | "

@@ -16,6 +16,8 @@
 #   throughput issue 12: 512 x 1k in / 1k out, MXFP4 (dummy 20b) beside bf16 (bench/throughput.py) ~300 s
 #   ids       issue 12: the same run, MXFP4 only, token ids only (--no-detokenize, as trtllm-bench)   ~70 s
 #   transfer  issue 14 (nvidia-h200-x2): the prefill->decode KV transfer against plain NCCL sends, bf16 and fp8 ~60 s
+#   tp120     issue 14 (nvidia-h200-x2): gpt-oss-120b decode at batch 1 and 64, TP 1 then TP 2        ~400 s
+#   minimax   issue 14 (nvidia-h200-x2): MiniMax-M2 full shape (dummy FP8) at EP 2, batch 1 and 64   ~400 s
 #   ceiling   issue 12: how fast one kernel can read 3-1024 MB (the floor of a decode GEMV's size)   ~30 s
 #   fp8       issue 12: MiniMax-M2 FP8 projections and MoE (GEMV, x-in-asm, tensor cores), 8 layers  ~60 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
@@ -45,6 +47,13 @@ for step in $STEPS; do
         throughput) timeout 400 python3 bench/throughput.py ;;
         ids) timeout 200 python3 bench/throughput.py --paths mxfp4 --no-detokenize --sample-host --kernels ;;
         transfer) timeout 200 python3 bench/pd_transfer.py && timeout 200 python3 bench/pd_transfer.py --kv-fp8 ;;
+        tp120) for tp in 1 2; do  # (decode_sweep_tp1.json, then the loop below names the TP 2 rows)
+                timeout 280 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64 --prompt 400 \
+                    --repeats 1 --kv-tokens 60000 --tp $tp
+                [ $tp = 1 ] && mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_tp1.json"
+            done ;;
+        minimax) timeout 500 python3 bench/decode_sweep.py --dummy minimax-m2 --batches 1,64 --prompt 400 \
+            --repeats 1 --kv-tokens 20000 --ep 2 ;;
         ceiling) timeout 120 python3 bench/read_ceiling.py ;;
         fp8) timeout 300 python3 bench/bench_fp8.py --tokens 1,4,64 --layers 8 ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;

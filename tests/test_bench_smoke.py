@@ -113,3 +113,21 @@ def test_pd_transfer_tiny(tmp_path: Path) -> None:
         assert r["mb"] == r["pages"] * 16 * 2 * 2 * 2 * 16 * 2 / 1e6  # K and V, layers, heads, dim, bf16
         assert r["transfer_s"] > 0 and r["send_s"] > 0 and r["send_per_layer_s"] > 0
         assert r["verified"]  # the receiver's pages are the sender's
+
+
+def test_decode_sweep_tensor_parallel_tiny(tmp_path: Path) -> None:
+    """--tp 2 --dummy DIR: the model (a tiny config's shape, random weights) in two worker processes over
+    gloo; the bytes bound counts the model on a storage-less copy in the parent."""
+    from minakv.presets.tiny import GPT_OSS_CONFIG
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(GPT_OSS_CONFIG))
+    args = ["--tiny", "--dummy", str(model), "--tp", "2", "--batches", "1,2", "--modes", "greedy"]
+    stdout = run_script("decode_sweep.py", args, tmp_path)
+    assert "tp 2, ep 1" in stdout
+    rows = [
+        r for r in json.loads((tmp_path / "decode_sweep.json").read_text()) if r["kind"] == "decode_sweep"
+    ]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["ms_per_step"] > 0 for r in rows)
+    assert rows[0]["bytes_per_step"] > 0 and rows[1]["bytes_per_step"] > rows[0]["bytes_per_step"]  # more KV
