@@ -131,3 +131,15 @@ def test_decode_sweep_tensor_parallel_tiny(tmp_path: Path) -> None:
     ]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["ms_per_step"] > 0 for r in rows)
     assert rows[0]["bytes_per_step"] > 0 and rows[1]["bytes_per_step"] > rows[0]["bytes_per_step"]  # more KV
+
+
+def test_kill_worker_tiny(tmp_path: Path) -> None:
+    """The decode worker (a CPU process) killed mid-run: every stream ends in an error within 5 s, and the
+    restarted workers serve again with exact accounting."""
+    stdout = run_script("kill_worker.py", ["--tiny"], tmp_path)
+    assert "killed the decode worker" in stdout
+    (row,) = [
+        r for r in json.loads((tmp_path / "kill_worker.json").read_text()) if r["kind"] == "kill_worker"
+    ]
+    assert row["ended_in_error"] == row["streams"] == 3 and row["last_error_s"] < 5
+    assert "decode worker process" in row["error"] and row["served_again"] and row["new_pids"]
