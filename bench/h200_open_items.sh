@@ -18,6 +18,7 @@
 #   transfer  issue 14 (nvidia-h200-x2): the prefill->decode KV transfer against plain NCCL sends, bf16 and fp8 ~60 s
 #   tp120     issue 14 (nvidia-h200-x2): gpt-oss-120b decode at batch 1 and 64, TP 1 then TP 2        ~400 s
 #   minimax   issue 14 (nvidia-h200-x2): MiniMax-M2 full shape (dummy FP8) at EP 2, batch 1 and 64   ~400 s
+#   pdreplay  issue 14 (nvidia-h200-x2): agent replay at 8 and 16 agents, prefill/decode pair vs colocated ~500 s
 #   kill      issue 14 (nvidia-h200-x2): a worker (decode, then prefill) killed mid-run, 20b dummy      ~200 s
 #   ceiling   issue 12: how fast one kernel can read 3-1024 MB (the floor of a decode GEMV's size)   ~30 s
 #   fp8       issue 12: MiniMax-M2 FP8 projections and MoE (GEMV, x-in-asm, tensor cores), 8 layers  ~60 s
@@ -55,6 +56,7 @@ for step in $STEPS; do
             done ;;
         minimax) timeout 500 python3 bench/decode_sweep.py --dummy minimax-m2 --batches 1,64 --prompt 400 \
             --repeats 1 --kv-tokens 20000 --ep 2 ;;
+        pdreplay) timeout 580 python3 bench/pd_replay.py --agents 8,16 --rounds 8 ;;
         kill) timeout 300 python3 bench/kill_worker.py --dummy --side decode && \
             timeout 300 python3 bench/kill_worker.py --dummy --side prefill ;;
         ceiling) timeout 120 python3 bench/read_ceiling.py ;;

@@ -143,3 +143,19 @@ def test_kill_worker_tiny(tmp_path: Path) -> None:
     ]
     assert row["ended_in_error"] == row["streams"] == 3 and row["last_error_s"] < 5
     assert "decode worker process" in row["error"] and row["served_again"] and row["new_pids"]
+
+
+def test_pd_replay_tiny(tmp_path: Path) -> None:
+    """The agent replay colocated and on a CPU prefill/decode pair: both layouts finish every round, and
+    only the pair moves KV between workers."""
+    stdout = run_script("pd_replay.py", ["--tiny"], tmp_path)
+    assert "colocated" in stdout and "pd " in stdout
+    rows = {
+        r["layout"]: r
+        for r in json.loads((tmp_path / "pd_replay.json").read_text())
+        if r["kind"] == "pd_replay"
+    }
+    assert set(rows) == {"colocated", "pd"}
+    assert rows["pd"]["kv_bytes_to_decode"] > 0 and rows["colocated"]["kv_bytes_to_decode"] is None
+    for r in rows.values():
+        assert r["ttft_ms"]["mean"] > 0 and r["tpot_ms"]["p90"] > 0
