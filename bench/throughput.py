@@ -113,13 +113,18 @@ async def run(
     wall = time.perf_counter() - start
     cut = max(ttfts, default=0.0)  # the last first token: from here on, decode steps only
     late = sum(n for t, n in events if t > cut)
-    decode_steps = sorted(b - a for a, b in pairwise(steps) if a - start > cut)
-    if decode_steps:  # slow steps (a capture, a collection, a compile) show as a long tail
-        median = decode_steps[len(decode_steps) // 2]
-        slow = [d for d in decode_steps if d > 2 * median]
-        print(f"decode-phase steps: {len(decode_steps)}, median {median * 1e3:.1f} ms, p99 "
-              f"{decode_steps[int(0.99 * len(decode_steps))] * 1e3:.1f} ms, max {decode_steps[-1] * 1e3:.0f} ms; "
-              f"{len(slow)} over twice the median, {sum(slow):.2f} s in all; graph captures in the run: "
+    # each decode-phase step as (its start in the phase, its duration): slow ones (a capture, a collection, a
+    # compile, a stalled thread) show as a long tail, and where they fall says which
+    timeline = [(a - start - cut, b - a) for a, b in pairwise(steps) if a - start > cut]
+    slow: list[tuple[float, float]] = []
+    if timeline:
+        durations = sorted(d for _, d in timeline)
+        median = durations[len(durations) // 2]
+        slow = [(t, d) for t, d in timeline if d > 2 * median]
+        print(f"decode-phase steps: {len(durations)}, median {median * 1e3:.1f} ms, p99 "
+              f"{durations[int(0.99 * len(durations))] * 1e3:.1f} ms, max {durations[-1] * 1e3:.0f} ms; "
+              f"{len(slow)} over twice the median, {sum(d for _, d in slow):.2f} s in all (at "
+              f"{', '.join(f'{t:.1f} s' for t, _ in slow[:12])}); graph captures in the run: "
               f"{len(captures)} taking {sum(captures):.2f} s; full garbage collections in the decode phase: "
               f"{sum(1 for t, _ in collections if t - start > cut)} taking "
               f"{sum(d for t, d in collections if t - start > cut):.2f} s", flush=True)  # fmt: skip
@@ -127,7 +132,8 @@ async def run(
     return {"wall_s": wall, "output_tokens": sum(counts), "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
             "prefill_phase_s": cut, "prefill_phase_tokens": sum(counts) - late, "decode_phase_s": wall - cut,
             "decode_phase_tok_s": late / max(wall - cut, 1e-9),
-            "gpu_busy_decode_window": busy.get("gpu_busy")}  # fmt: skip
+            "gpu_busy_decode_window": busy.get("gpu_busy"),
+            "slow_decode_steps": [(round(t, 3), round(d, 4)) for t, d in slow]}  # fmt: skip
 
 
 def watch(engine: Engine) -> tuple[list[float], list[float], list[tuple[float, float]], Callable[[], None]]:
