@@ -22,6 +22,7 @@
 #   kill      issue 14 (nvidia-h200-x2): a worker (decode, then prefill) killed mid-run, 20b dummy      ~200 s
 #   ceiling   issue 12: how fast one kernel can read 3-1024 MB (the floor of a decode GEMV's size)   ~30 s
 #   fp8       issue 12: MiniMax-M2 FP8 projections and MoE (GEMV, x-in-asm, tensor cores), 8 layers  ~60 s
+#   fp8gemv   issue 12: the FP8 GEMVs' strip shapes at one token (bench/fp8_gemv_sweep.py)           ~170 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
 # bench/serve_replay.sh) for `serve`; the other steps need no tokenizer.
@@ -61,6 +62,7 @@ for step in $STEPS; do
             timeout 300 python3 bench/kill_worker.py --dummy --side prefill ;;
         ceiling) timeout 120 python3 bench/read_ceiling.py ;;
         fp8) timeout 300 python3 bench/bench_fp8.py --tokens 1,4,64 --layers 8 ;;
+        fp8gemv) timeout 200 python3 bench/fp8_gemv_sweep.py --budget-s 150 ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;
         *) echo "unknown step $step" ;;
     esac > "$log" 2>&1

@@ -68,7 +68,7 @@ def strip(programs_per_row_block: int, out: int, sms: int) -> tuple[int, int]:
 
 
 def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = None, groups: int | None = None,
-                    x_in_asm: bool = False) -> torch.Tensor:  # fmt: skip
+                    x_in_asm: bool = False, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """x [..., in] @ W^T (+ bias) -> [..., out] in x's dtype (linear_fp8's arguments), for few rows of x.
     x_in_asm: one PTX block loads and dots each vector (bf16 x on the GPU): on the H200 at one row k_proj
     and v_proj took 0.0078 and 0.0074 ms against 0.0087 and 0.0084, q_proj and o_proj the same time."""
@@ -87,15 +87,17 @@ def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = No
     _linear_gemv[(rows, triton.cdiv(out_features, block_n))](
         x, weight, scale_inv, bias if bias is not None else scale_inv, y, out_features, in_features,
         x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, GROUPS=groups, X_IN_ASM=ptx_loads_ok(x_in_asm, x), num_warps=4,
+        BLOCK_N=block_n, GROUPS=groups, X_IN_ASM=ptx_loads_ok(x_in_asm, x), num_warps=num_warps,
     )  # fmt: skip
     return y.view(*lead, out_features)
 
 
 def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                  limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int | None = None,
-                 groups: int | None = None, x_in_asm: bool = False) -> torch.Tensor:  # fmt: skip
-    """moe_fp8's function for few pairs -> [T, H] in x's dtype (sum_k=False: the k parts [T, k, H] fp32)."""
+                 groups: int | None = None, x_in_asm: bool = False, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
+    """moe_fp8's function for few pairs -> [T, H] in x's dtype (sum_k=False: the k parts [T, k, H] fp32).
+    block_n, groups (vectors per row per step: THREADS // block_n gives each thread one) and num_warps are for
+    benchmarks and tests."""
     _, hidden, inter = expert_shapes(x, w, topk_ids, activation)
     check(hidden % 16 == 0 and inter % 16 == 0, f"hidden {hidden} and intermediate {inter}: multiples of 16")
     num_tokens, k = topk_ids.shape
@@ -115,7 +117,7 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
         hidden, inter, gus.shape[1] // 2, k, float(limit), float(alpha), x.stride(0), gu.stride(0), gu.stride(1),
         gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
         HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], BLOCK_N=n1, GROUPS=g1,
-        X_IN_ASM=asm, num_warps=4,
+        X_IN_ASM=asm, num_warps=num_warps,
     )  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -123,7 +125,7 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
-        BLOCK_N=n2, GROUPS=g2, X_IN_ASM=asm, num_warps=4,
+        BLOCK_N=n2, GROUPS=g2, X_IN_ASM=asm, num_warps=num_warps,
     )  # fmt: skip
     return k_parts(y, num_tokens, k, x.dtype, sum_k)
 
