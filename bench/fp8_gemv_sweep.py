@@ -94,8 +94,8 @@ def main() -> None:
                 break
             try:
                 err = max(rel_err(a, b) for a, b in zip(fn(cfg), ref, strict=True))
-                ms = ms_of(lambda cfg=cfg: fn(cfg)) / copies
-            except Exception as exc:  # a config the compiler refuses (registers, shared memory): say so, go on
+                ms = ms_of(lambda cfg=cfg, fn=fn: fn(cfg)) / copies
+            except Exception as exc:  # noqa: BLE001 (a config the compiler refuses (registers, shared memory): say so, go on)
                 log.add("note", name=f"{case} {cfg}", value=f"failed: {type(exc).__name__}: {exc}"[:200])
                 continue
             frac = need / copies / (ms * 1e-3) / copy_bw
