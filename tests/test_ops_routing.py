@@ -1,5 +1,5 @@
-"""The fused GPT-OSS router (minakv/ops/routing.py) against the torch form it replaces: F.linear, top-k,
-softmax over the k. Runs the Triton kernels (H cut into splits, then the finishing top-k) in the CPU
+"""The fused routers (minakv/ops/routing.py) against the torch forms they replace: GPT-OSS's F.linear, top-k,
+softmax over the k; MiniMax-M2's F.linear, sigmoid, top-k of score + correction bias, renormalised scores. Runs the Triton kernels (H cut into splits, then the finishing top-k) in the CPU
 interpreter."""
 
 from __future__ import annotations
@@ -9,15 +9,22 @@ import torch
 import torch.nn.functional as F
 from helpers.triton import interpreted
 
-from minakv.ops.moe import route_softmax_topk
-from minakv.ops.routing import route_softmax_topk_fused
+from minakv.ops.moe import route_sigmoid_bias, route_softmax_topk
+from minakv.ops.routing import route_sigmoid_bias_fused, route_softmax_topk_fused
 
 
 @pytest.mark.parametrize(
     "tokens,hidden,experts,k,dtype",
-    [(1, 64, 32, 4, torch.float32), (5, 200, 32, 4, torch.float32), (33, 96, 128, 4, torch.float32),
-     (7, 128, 8, 2, torch.float32), (20, 64, 32, 4, torch.bfloat16), (3, 64, 32, 1, torch.float32),
-     (2, 1000, 128, 4, torch.float32), (17, 2880, 32, 4, torch.bfloat16)],
+    [
+        (1, 64, 32, 4, torch.float32),
+        (5, 200, 32, 4, torch.float32),
+        (33, 96, 128, 4, torch.float32),
+        (7, 128, 8, 2, torch.float32),
+        (20, 64, 32, 4, torch.bfloat16),
+        (3, 64, 32, 1, torch.float32),
+        (2, 1000, 128, 4, torch.float32),
+        (17, 2880, 32, 4, torch.bfloat16),
+    ],
 )  # fmt: skip  (the last two: H cut into 16 and 23 splits, the last slice ragged; two token blocks)
 @interpreted
 def test_fused_routing_matches_torch(tokens, hidden, experts, k, dtype):
@@ -47,3 +54,41 @@ def test_fused_routing_no_bias_and_empty():
     torch.testing.assert_close(weights, ref_w)
     empty_w, empty_ids = route_softmax_topk_fused(x[:0], w, None, 4)
     assert empty_w.shape == (0, 4) and empty_ids.shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,experts,k,dtype",
+    [
+        (1, 64, 32, 8, torch.float32),
+        (5, 200, 256, 8, torch.float32),
+        (20, 96, 64, 4, torch.bfloat16),
+        (3, 3072, 256, 8, torch.bfloat16),
+    ],
+)  # fmt: skip  (the last: MiniMax-M2's router, H cut into splits)
+@interpreted
+def test_fused_sigmoid_routing_matches_torch(tokens, hidden, experts, k, dtype):
+    g = torch.Generator().manual_seed(tokens * 7 + experts)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype)
+    # a correction bias large enough to change the choice: the weights must still be the unbiased scores
+    bias = torch.randn(experts, generator=g) * 0.5
+    weights, ids = route_sigmoid_bias_fused(x, w, bias, k)
+    logits = F.linear(x.double(), w.double()).to(dtype)  # rounded as the GEMM's output is
+    ref_w, ref_ids = route_sigmoid_bias(logits, bias, k)
+    unbiased_ids = torch.topk(logits.float(), k, dim=-1).indices
+    assert not torch.equal(ids.sort(-1).values, unbiased_ids.sort(-1).values)  # the bias did choose
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.allclose(weights.sum(-1), torch.ones(tokens))
+    if dtype == torch.float32:
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+        return
+    # bf16: the kernel's fp32 sum may round a logit to the neighbouring bf16 value (one ulp, 0.4%), which
+    # can swap two near-equal choosing keys: the chosen keys must be the top k up to that, and where the
+    # choice agrees the weights within it
+    scores = torch.sigmoid(logits.float())
+    keys = scores + bias
+    torch.testing.assert_close(keys.gather(1, ids), keys.topk(k, dim=-1).values, rtol=0, atol=4e-3)
+    same = (ids == ref_ids).all(-1)
+    assert same.float().mean() > 0.5
+    torch.testing.assert_close(weights[same], ref_w[same], rtol=1e-2, atol=1e-3)

@@ -17,6 +17,8 @@ from minakv.model.layers import CausalLM, fp8_resident
 from minakv.ops.fp8_moe import moe_fp8
 from minakv.ops.fp8_tile import KEYS
 from minakv.ops.moe import moe, route_sigmoid_bias
+from minakv.ops.routing import FUSED_MAX_TOKENS, route_sigmoid_bias_fused
+from minakv.ops.triton_util import use_triton
 from minakv.parallel.experts import run_experts
 from minakv.parallel.group import SINGLE, Parallel
 from minakv.parallel.shard import local_config
@@ -59,7 +61,12 @@ class MiniMaxM2MoE(nn.Module):
         self.experts = MiniMaxM2Experts(local_config(config, parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_sigmoid_bias(self.gate(x), self.e_score_correction_bias, self.top_k)
+        if use_triton(x) and x.shape[0] <= FUSED_MAX_TOKENS:  # decode: two launches instead of seven
+            weights, ids = route_sigmoid_bias_fused(
+                x, self.gate.weight, self.e_score_correction_bias, self.top_k
+            )
+        else:
+            weights, ids = route_sigmoid_bias(self.gate(x), self.e_score_correction_bias, self.top_k)
         return run_experts(self.experts, x, weights, ids, self.num_experts, self.parallel)
 
 

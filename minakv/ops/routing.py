@@ -1,4 +1,4 @@
-"""GPT-OSS routing in two launches: router logits, then top-k and the softmax over the chosen k.
+"""MoE routing in two launches: router logits, then the top-k and the chosen experts' weights.
 
 The torch form is four kernels per layer (the router's GEMM with its bias, `topk`, a cast, `softmax`); at
 decode batch 1 each of them is a few microseconds of a launch and almost no bytes, 24 or 36 layers over.
@@ -8,7 +8,10 @@ one token keeps many SMs reading:
     _route_partial  program (block of 16 tokens, split s): fp32 logits of its slices of H -> partial[s]
     _route_finish   program (one token): sum its splits (one load), add the bias, round to the
                     activations' dtype exactly as the GEMM's output is rounded, pick the k largest by k
-                    rounds of (max, first index of it, mask it out), softmax those k in fp32
+                    rounds of (max, first index of it, mask it out), then the weights of those k:
+                    GPT-OSS  a softmax over the k logits (`route_softmax_topk_fused`)
+                    MiniMax  sigmoid scores; the k largest of score + correction bias are chosen, their
+                             unbiased scores renormalised to sum to 1 (`route_sigmoid_bias_fused`)
 
 One program looping over all of H took 17 us a layer at gpt-oss-120b's batch 1 on the H200 (0.6 ms of a
 3.8 ms step: the loop's latency, not bytes). For prefill batches the GEMM is better left to cuBLAS, so
@@ -35,6 +38,20 @@ def route_softmax_topk_fused(
     k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] f32, ids [T, k] int64), as `route_softmax_topk(F.linear(x, weight, bias), k)`."""
+    return _route(x, weight, bias, k, sigmoid=False)
+
+
+def route_sigmoid_bias_fused(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [E, H]
+    correction_bias: torch.Tensor,  # [E] fp32
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] f32, ids [T, k] int64), as `route_sigmoid_bias(F.linear(x, weight), correction_bias, k)`."""
+    return _route(x, weight, correction_bias, k, sigmoid=True)
+
+
+def _route(x, weight, bias, k: int, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     check(weight.shape == (num_experts, hidden), f"router weight {tuple(weight.shape)}, x {tuple(x.shape)}")
@@ -57,7 +74,7 @@ def route_softmax_topk_fused(
     )  # fmt: skip
     _route_finish[(num_tokens,)](
         partial, bias if bias is not None else weight, x, weights, ids, num_experts, k, splits, blocks * BLOCK_T,
-        HAS_BIAS=bias is not None, E_PAD=e_pad, K_PAD=max(2, triton.next_power_of_2(k)),
+        HAS_BIAS=bias is not None, SIGMOID=sigmoid, E_PAD=e_pad, K_PAD=max(2, triton.next_power_of_2(k)),
         S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
     )  # fmt: skip
     return weights, ids
@@ -93,21 +110,25 @@ def _route_partial(
 @triton.jit
 def _route_finish(
     partial_ptr, b_ptr, x_ptr, weights_ptr, ids_ptr, num_experts, k, splits, rows,
-    HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
 ):  # fmt: skip
     """One token: its splits' partial logits in one load (a loop over them, one load each, took 8.7 us at
-    120b's 23 splits), then the top-k and the softmax."""
+    120b's 23 splits), then the top-k and the weights (SIGMOID: MiniMax's, b_ptr its correction bias)."""
     t = tl.program_id(0)
     offs_s, offs_e = tl.arange(0, S_PAD), tl.arange(0, E_PAD)
     ok_e = offs_e < num_experts
     parts = tl.load(partial_ptr + (offs_s[:, None] * rows + t).to(tl.int64) * E_PAD + offs_e[None, :],
                     mask=(offs_s < splits)[:, None], other=0.0)  # fmt: skip
     acc = tl.sum(parts, 0)  # a fixed order: the same logits whatever the timing
-    if HAS_BIAS:
+    if HAS_BIAS and not SIGMOID:
         acc += tl.load(b_ptr + offs_e, mask=ok_e, other=0.0).to(tl.float32)
     # the logits the GEMM would hand over, in the activations' dtype (x_ptr: only for it; top-k ties and
     # softmax inputs alike)
     logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if SIGMOID:  # logits := the choosing key, score + correction bias; the weights come from the scores
+        scores = tl.sigmoid(logits)
+        logits = scores + tl.load(b_ptr + offs_e, mask=ok_e, other=0.0).to(tl.float32)
     logits = tl.where(ok_e, logits, float("-inf"))
     offs_k = tl.arange(0, K_PAD)
     top = tl.full((K_PAD,), float("-inf"), dtype=tl.float32)
@@ -118,7 +139,11 @@ def _route_finish(
         top = tl.where(offs_k == j, best, top)
         top_ids = tl.where(offs_k == j, first, top_ids)
         logits = tl.where(offs_e == first, float("-inf"), logits)
-    p = tl.exp(top - tl.max(top, 0))  # the padding's -inf gives 0
+    if SIGMOID:
+        p = tl.sum(tl.where(top_ids[:, None] == offs_e[None, :], scores[None, :], 0.0), 1)
+        p = tl.where(offs_k < k, p, 0.0)
+    else:
+        p = tl.exp(top - tl.max(top, 0))  # the padding's -inf gives 0
     p = p / tl.sum(p, 0)
     out = t.to(tl.int64) * k + offs_k
     tl.store(weights_ptr + out, p, mask=offs_k < k)
