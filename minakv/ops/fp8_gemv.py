@@ -3,12 +3,12 @@
 The tensor-core kernels of fp8_linear.py and fp8_moe.py pad a decode row to a 16-row tile and wait on each
 weight tile before asking for the next; at one token they reach a quarter of the copy bandwidth (MiniMax-M2's
 q_proj: 23%, its MoE: 23%). Here a program owns a strip of BN output rows and one activation row, each
-thread whole 16-byte vectors (16 weights, one scale):
+thread two whole 16-byte vectors a step (16 weights and one scale each):
 
     W rows n..n+BN  | v0 v1 ... v(G-1) | vG ...       acc [BN, G] fp32, a partial sum per vector slot
     x row (bf16)    | 16 16  ...  16   |              (no reduction inside the loop, one at the end)
 
-and loads the next step's vectors (and inputs) before it uses this step's, so two are in flight per thread.
+and loads the next step's vectors (and inputs) before it uses this step's, so four are in flight per thread.
 A vector's 16 inputs lie in one 128-input scale block, so its scale is the row's s[n // 128, k // 128] (a
 [BN, G] gather that the cache serves). BN is chosen so that the grid has a few
 programs per SM even for k_proj's 1,024 rows (`strip`): small N, narrow strips, long steps.
@@ -29,7 +29,8 @@ from minakv.ops.fp8_tile import check_fp8_weight, expert_shapes
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.triton_util import check, num_sms, ptx_loads_ok
 
-THREADS = 128  # 4 warps; a thread holds one 16-byte vector of a step
+THREADS = 128  # 4 warps
+VECTORS_PER_THREAD = 2  # 16-byte vectors a thread loads per step (`strip`)
 
 # x_in_asm: one 16-byte vector of e4m3 weights ($1: its address; $3 != 0: it is real, else 0) dotted with its
 # 16 bf16 inputs ($2: their address) -> fp32 ($0). The block does its own loads, so no thread needs another's
@@ -59,19 +60,21 @@ mov.f32 s, 0f00000000;
 
 
 def strip(programs_per_row_block: int, out: int, sms: int) -> tuple[int, int]:
-    """(BN, G): the widest power-of-two strip, at most 32 rows, that still gives ~4 programs per SM, and the
-    vectors per row per step that give each thread one."""
-    block_n = 32
+    """(BN, G): the widest power-of-two strip, at most 16 rows, that still gives ~4 programs per SM, and the
+    vectors per row per step that give each thread two (four in flight with the prefetch). On an H100, one
+    token at MiniMax-M2's shapes on distinct weights (bench/fp8_gemv_sweep.py): the MoE took 56.7 us at
+    16 x 16 against 71.3 at 32 x 4, o_proj 11.2 against 12.5 us; one vector a thread or four were slower."""
+    block_n = 16
     while block_n > 1 and programs_per_row_block * triton.cdiv(out, block_n) < 4 * sms:
         block_n //= 2
-    return block_n, THREADS // block_n
+    return block_n, VECTORS_PER_THREAD * THREADS // block_n
 
 
 def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = None, groups: int | None = None,
                     x_in_asm: bool = False, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """x [..., in] @ W^T (+ bias) -> [..., out] in x's dtype (linear_fp8's arguments), for few rows of x.
-    x_in_asm: one PTX block loads and dots each vector (bf16 x on the GPU): on the H200 at one row k_proj
-    and v_proj took 0.0078 and 0.0074 ms against 0.0087 and 0.0084, q_proj and o_proj the same time."""
+    x_in_asm: one PTX block loads and dots each vector (bf16 x on the GPU; no prefetch), for benchmarks: at
+    two vectors a thread the prefetching form was as fast or faster (bench/fp8_gemv_sweep.py)."""
     check_fp8_weight(weight, scale_inv)
     out_features, in_features = weight.shape
     check(
