@@ -22,7 +22,7 @@ from typing import Any, Self
 
 from minakv.cache.validate import CacheOpError
 from minakv.config import EngineConfig
-from minakv.gc_pauses import quiet_gc
+from minakv.gc_pauses import collect_when_due, quiet_gc
 from minakv.model import CausalLM
 from minakv.outputs import RequestOutput
 from minakv.params import SamplingParams
@@ -124,6 +124,7 @@ class Engine:
         done: dict[str, RequestOutput] = {}
         start, tokens = time.perf_counter(), 0
         while len(done) < len(requests):
+            collect_when_due(idle=False)
             try:
                 changed = self.step()
             except Exception as exc:  # leave no half-run request behind: the engine stays usable
@@ -310,9 +311,11 @@ class Engine:
                         self._inflight = None  # its tokens are lost; the requests sample them again
                         changed += self.scheduler.quarantine(f"internal error: {exc!r}")
             elif not changed:
+                collect_when_due(idle=True)
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
             self._deliver(changed)
+            collect_when_due(idle=False)
 
     def _lose_worker(self, exc: WorkerDied) -> list[Request]:
         """The worker process died, and every KV page with it: end every request the scheduler holds
