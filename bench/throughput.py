@@ -230,8 +230,16 @@ def main(argv: list[str] | None = None) -> None:
         args.requests, args.input, args.output, args.max_num_seqs = 4, 16, 4, 8
     log = Log()
     gen = torch.Generator().manual_seed(0)
+    frozen_before = gc.get_freeze_count()
     for path in args.paths.split(","):
         engine = make_engine(path, args)
+        # (the engine's collector settings, minakv/gc_pauses.py: a process that froze objects before it once
+        # kept them from being set)
+        print(
+            f"gc: {frozen_before} objects frozen before the first engine, {gc.get_freeze_count()} now; "
+            f"thresholds {gc.get_threshold()}",
+            flush=True,
+        )
         hi = min(engine.model.config.vocab_size, MAX_TOKEN_ID)
         warm_up(engine, hi, gen, args)
         prompts = torch.randint(0, hi, (args.requests, args.input), generator=gen).tolist()

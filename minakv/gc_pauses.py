@@ -28,6 +28,7 @@ GC_OLD_THRESHOLD = (
 IDLE_EVERY_S = 10.0  # an idle engine collects at most this often
 BUSY_EVERY_S = 300.0  # a busy one this often: one pause of ~0.1-0.2 s in minutes of serving
 _last_full = [time.monotonic()]
+_quieted = [False]
 
 
 def quiet_gc() -> None:
@@ -43,8 +44,9 @@ def quiet_gc() -> None:
     A serving step allocates hundreds of short-lived objects per request; at 700 a young collection ran
     every few steps and, by promoting what was briefly alive, a full one every second or so at 512 streams
     (tens of ms each, every thread stopped). At 50,000 none ran in 1,000 steps (bench/RESULTS.md)."""
-    if gc.get_freeze_count():
+    if _quieted[0]:  # (not gc.get_freeze_count(): something else may have frozen objects before us)
         return
+    _quieted[0] = True
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
