@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import time
 import weakref
 
@@ -85,3 +87,18 @@ def test_collect_when_due_collects_cycles(full_collections):
     later = gc_pauses._last_full[0]
     assert gc_pauses.collect_when_due(idle=False, now=later + gc_pauses.BUSY_EVERY_S + 1)
     assert len(full_collections) == 2
+
+
+def test_quiet_gc_also_after_someone_else_froze():
+    """A process that froze objects before the first engine (an interpreter start-up hook, a library) still
+    gets the engine's thresholds: once, the GPU machine's runs kept CPython's (their full collections took
+    ~180 ms each, the frozen imports scanned again)."""
+    code = (
+        "import gc; gc.freeze(); from minakv import gc_pauses; gc_pauses.quiet_gc(); "
+        "y, _, o = gc.get_threshold(); "
+        "assert y >= gc_pauses.GC_YOUNG_THRESHOLD and o >= gc_pauses.GC_OLD_THRESHOLD, gc.get_threshold()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
