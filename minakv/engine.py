@@ -31,7 +31,7 @@ from minakv.scheduler.request import Request, Unavailable
 from minakv.scheduler.scheduler import Scheduler
 from minakv.text.tokenizer import Tokenizer
 from minakv.worker.batch import ForwardBatch
-from minakv.worker.build import load_model_by_name, load_tokenizer, make_worker
+from minakv.worker.build import start_worker
 from minakv.worker.disagg import DisaggWorkers
 from minakv.worker.process import WorkerDied, WorkerProcess
 from minakv.worker.worker import Launched
@@ -60,33 +60,16 @@ class Engine:
         )
         config.check()
         quiet_gc()
-        on_allocate = None
-        if config.worker_processes:  # the model and its KV live in worker processes (one per rank)
-            if not isinstance(model, (str, Path)):
-                raise ValueError(
-                    "a worker process loads its model by name: pass a preset, directory or hub id"
-                )
-            # start the children and wait until their models are loaded: one worker, or a prefill/decode pair
-            # whose transfers follow the pages the scheduler hands out (docs/workers.md); either one is
-            # world = max(tp, ep) ranks under tensor / expert parallelism (docs/parallel.md)
-            if config.disaggregated:
-                self.worker = DisaggWorkers(config)
-                on_allocate = self.worker.fresh
-            else:
-                self.worker = WorkerProcess(config)
-            self.model, self.model_name = self.worker.model, str(model)
-            self.tokenizer = tokenizer or load_tokenizer(config, self.model.config.arch)
-            num_pages, per_token = self.worker.num_pages, self.worker.kv_bytes_per_token
-            self.max_model_len = self.worker.max_model_len
-        else:
-            if isinstance(model, CausalLM):
-                self.model, self.tokenizer, self.model_name = model, tokenizer, "custom"
-            else:
-                self.model, self.model_name = load_model_by_name(config), str(model)
-                self.tokenizer = tokenizer or load_tokenizer(config, self.model.config.arch)
-            self.worker, num_pages, per_token, self.max_model_len = make_worker(config, self.model)
+        started = start_worker(config, model, tokenizer)
+        self.worker, self.model, self.model_name = started.worker, started.model, started.model_name
+        self.tokenizer, self.max_model_len = started.tokenizer, started.max_model_len
         self.scheduler = Scheduler(
-            config, num_pages, per_token, self.tokenizer, self.max_model_len, on_allocate=on_allocate
+            config,
+            started.num_pages,
+            started.kv_bytes_per_token,
+            self.tokenizer,
+            self.max_model_len,
+            on_allocate=started.on_allocate,
         )
         self._inbox: list[Request] = []
         self._aborts: list[str] = []

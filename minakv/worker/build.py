@@ -1,12 +1,17 @@
 """Building a worker: the model a name refers to, the size of its KV pool, and the `Worker` around them.
 
 The engine (its worker in process) and the worker processes (minakv/worker/child.py) both build through
-here, so a worker process holds exactly what an in-process engine would.
+here, so a worker process holds exactly what an in-process engine would. `start_worker` is the engine's
+one call: in process, or in worker processes (one, or a prefill/decode pair) that load the model
+themselves.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,6 +20,8 @@ from minakv.model import CausalLM, default_device_dtype, load_model
 from minakv.parallel import SINGLE, Parallel
 from minakv.presets.real import build_dummy, dummy_tokenizer
 from minakv.text.tokenizer import Tokenizer
+from minakv.worker.disagg import DisaggWorkers
+from minakv.worker.process import WorkerProcess
 from minakv.worker.worker import Worker, kv_bytes_per_token
 
 
@@ -70,3 +77,41 @@ def make_worker(config: EngineConfig, model: CausalLM) -> tuple[Worker, int, int
     graphs = config.cuda_graphs and par.world == 1
     worker = Worker(model, num_slots, config.max_num_seqs, max_keys, kv_dtype, cuda_graphs=graphs)
     return worker, num_pages, per_token, max_model_len
+
+
+@dataclass
+class Started:
+    """What the engine needs from its worker(s): the worker, the model (in process: the model itself; in
+    worker processes: a stand-in with its config), the tokenizer, and the KV pool's size."""
+
+    worker: Worker | WorkerProcess | DisaggWorkers
+    model: Any
+    model_name: str
+    tokenizer: Tokenizer | None
+    num_pages: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    on_allocate: Callable | None = None  # the scheduler's hook for fresh pages (a prefill/decode pair)
+
+
+def start_worker(config: EngineConfig, model: str | CausalLM, tokenizer: Tokenizer | None) -> Started:
+    """The engine's worker for `model` (a name, or an already built `CausalLM` for in-process use)."""
+    if config.worker_processes:  # the model and its KV live in worker processes (one per rank)
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError("a worker process loads its model by name: pass a preset, directory or hub id")
+        # start the children and wait until their models are loaded: one worker, or a prefill/decode pair
+        # whose transfers follow the pages the scheduler hands out (docs/workers.md); either one is
+        # world = max(tp, ep) ranks under tensor / expert parallelism (docs/parallel.md)
+        worker = DisaggWorkers(config) if config.disaggregated else WorkerProcess(config)
+        return Started(
+            worker, worker.model, str(model), tokenizer or load_tokenizer(config, worker.model.config.arch),
+            worker.num_pages, worker.kv_bytes_per_token, worker.max_model_len,
+            on_allocate=worker.fresh if config.disaggregated else None,
+        )  # fmt: skip
+    if isinstance(model, CausalLM):
+        name = "custom"
+    else:
+        model, name = load_model_by_name(config), str(model)
+        tokenizer = tokenizer or load_tokenizer(config, model.config.arch)
+    worker, num_pages, per_token, max_model_len = make_worker(config, model)
+    return Started(worker, model, name, tokenizer, num_pages, per_token, max_model_len)

@@ -104,3 +104,20 @@ def quantise_checkpoint(src: Path, dst: Path) -> Path:
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.double() - ref.double()).norm() / ref.double().norm())
+
+
+def load_hf(path: Path) -> torch.nn.Module:
+    """transformers' model in float32 on CPU. Quantised checkpoints are dequantised (on a CPU-only box
+    transformers does that anyway; with a GPU present it would pick its own quantised kernels)."""
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    extra = {}
+    if quant.get("quant_method") == "mxfp4":
+        extra["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+    elif quant.get("quant_method") == "fp8":
+        extra["quantization_config"] = transformers.FineGrainedFP8Config(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", device_map="cpu", **extra
+    )
+    # Some 5.x versions keep dequantised MXFP4 experts in bf16 whatever `dtype` says; the values are
+    # exact in bf16, so casting up is lossless and makes the reference compute in fp32.
+    return model.float().eval()
