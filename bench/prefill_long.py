@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agent_replay import profiled
 from common import Log
 from e2e_decode import DEVICE, build_ours, configs
+from profiling import profiled
 
 from minakv import Engine, SamplingParams
 

@@ -38,11 +38,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agent_replay import MAX_TOKEN_ID, gpu_busy
+from agent_replay import MAX_TOKEN_ID
 from common import Log
 from e2e_decode import DEVICE, build_ours, configs
 from host_sampler import print_samples, sample_thread
 from prefill_long import print_kernels
+from profiling import gpu_busy
 
 from minakv import Engine, SamplingParams
 
