@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minakv.config import EngineConfig
+from minakv.gc_pauses import collect_when_due, quiet_gc
 from minakv.model import ModelConfig
 from minakv.parallel import SINGLE, Parallel
 from minakv.worker.transfer import Part, Peer, TransferError
@@ -110,12 +111,14 @@ def serve(
         results.send((0, Failed.of(exc)))
         return
     parent = mp.parent_process()
+    quiet_gc()  # a collection here stalls the device as in the engine's process (minakv/gc_pauses.py)
     while True:
         try:
             message = batches.get(timeout=1.0)
         except queue.Empty:
             if parent is not None and not parent.is_alive():  # orphaned: nobody will read our results
                 break
+            collect_when_due(idle=True)
             continue
         if message is None:
             break
@@ -131,6 +134,7 @@ def serve(
                 return
             reply = Failed.of(exc)
         results.send((seq, reply if role_rank == 0 or isinstance(reply, Failed) else None))
+        collect_when_due(idle=False)
     dist.destroy_process_group()
 
 
