@@ -9,10 +9,11 @@ Two things make collections long or frequent in a serving process:
                        short-lived objects per request, and each young collection promotes what is briefly
                        alive, which in turn sets off full collections
 
-`quiet_gc`, run by the first engine of a process (and by each worker process once its model is loaded), freezes what exists (the imports), spaces the young
-collections out and leaves full collections to `collect_when_due`, which the engine thread (and a worker
-process's loop) calls between steps: a full collection when the engine is idle, or, busy, once every few minutes (garbage cycles that
-reach the oldest generation are still freed). docs/engine.md ("Garbage collection") has the measurements.
+`quiet_gc`, run by the first engine of a process (and by each worker process once its model is loaded),
+freezes what exists (the imports), spaces the young collections out and leaves full collections to
+`collect_when_due`, which the engine thread (and a worker process's loop) calls between steps: a full
+collection when the engine is idle, or, busy, once every few minutes (garbage cycles that reach the oldest
+generation are still freed). docs/engine.md ("Garbage collection") has the measurements.
 """
 
 from __future__ import annotations
