@@ -122,8 +122,11 @@ def run_case(shape: str, experts: int, layer, tokens: int, variants, copy_bw: fl
     need = active * (3 * I * H + 2 * I + H) * 2  # the routed experts' weights and biases, bf16
     base = {"shape": shape, "experts": experts, "tokens": tokens, "pairs": tokens * TOPK, "active": active,
             "weight_bytes": need}  # fmt: skip
-    sort_ms, _ = time_ms(lambda: sort_by_expert(ids.reshape(-1), experts))
-    rows.append({**base, "variant": "sort_by_expert alone", "ms": sort_ms})
+    for parallel in (False, True):  # one program, or a program per chunk of pairs (two launches)
+        sort_ms, _ = time_ms(
+            lambda parallel=parallel: sort_by_expert(ids.reshape(-1), experts, parallel=parallel)
+        )
+        rows.append({**base, "variant": f"sort_by_expert alone, parallel={parallel}", "ms": sort_ms})
     for name, kwargs in variants:
         kw = dict(kwargs)
         if kw.pop("bm_x2", False):

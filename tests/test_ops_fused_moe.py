@@ -31,12 +31,15 @@ def layer(t: int, e: int, k: int, h: int, i: int, seed: int, unused=(), biases: 
 
 
 @interpreted
-@pytest.mark.parametrize("num_pairs,num_experts", [(1, 4), (37, 7), (100, 200), (513, 16)])
-def test_sort_by_expert_matches_stable_argsort(num_pairs: int, num_experts: int) -> None:
-    """(100, 200): 32-pair chunks, so the running slots carry across four chunks; most experts empty."""
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("num_pairs,num_experts", [(1, 4), (37, 7), (100, 200), (513, 16), (2100, 256)])
+def test_sort_by_expert_matches_stable_argsort(num_pairs: int, num_experts: int, parallel: bool) -> None:
+    """(100, 200): 32-pair chunks, so the running slots carry across four chunks; most experts empty.
+    parallel: a program per chunk (two launches); (2100, 256): 66 chunks, their counts summed in 32-row
+    steps, the last chunk ragged."""
     gen = torch.Generator().manual_seed(num_pairs)
     ids = torch.randint(0, max(1, num_experts - 2), (num_pairs,), generator=gen)  # the last two: empty
-    order, counts, starts, tile_ends = sort_by_expert(ids, num_experts, block_m=8)
+    order, counts, starts, tile_ends = sort_by_expert(ids, num_experts, block_m=8, parallel=parallel)
     expected = torch.bincount(ids, minlength=num_experts)
     assert order.tolist() == torch.argsort(ids, stable=True).tolist()
     assert counts.tolist() == expected.tolist()
