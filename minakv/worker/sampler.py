@@ -57,6 +57,7 @@ class SamplingTensors:
     key: torch.Tensor  # [R] int64: a 32-bit hash of (seed, counter), the row's noise stream
     greedy: torch.Tensor  # [R] bool
     all_greedy: bool
+    any_greedy: bool  # (none: the rows' raw argmax is not needed)
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
@@ -149,6 +150,7 @@ class SamplingTensors:
             key=key,
             greedy=g.bool(),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             any_top_k=any(0 < p.top_k for p, gr in zip(params, greedy) if not gr),
             any_top_p=any(p.top_p < 1.0 for p, gr in zip(params, greedy) if not gr),
             any_min_p=any(p.min_p > 0 for p, gr in zip(params, greedy) if not gr),
@@ -262,24 +264,26 @@ def sample(logits: torch.Tensor, t: SamplingTensors, tables: PenaltyTables | Non
     """logits [R, V] -> [R] int64 token ids on the device, with no host sync. `tables`: the penalty tables,
     when some row has a penalty."""
     logits = adjust(logits.float(), t, tables)
-    greedy_tokens = logits.argmax(dim=-1)
     if t.all_greedy:
-        return greedy_tokens
+        return logits.argmax(dim=-1)
     # Subtract the row max before dividing, so a tiny temperature cannot overflow to inf (and inf - inf).
     top = logits.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
     if use_triton(logits) and not t.filters:  # the kernel scales the logits itself: z never materialised
         drawn = gumbel_argmax_triton(logits, t.key, None, shift=top, temperature=t.temperature)
-        return torch.where(t.greedy, greedy_tokens, drawn)
-    z = (logits - top).div_(t.temperature[:, None])
-    thr = thresholds(z, t)
-    if use_triton(z):
-        return torch.where(t.greedy, greedy_tokens, gumbel_argmax_triton(z, t.key, thr))
-    score = neg_log_exponential(t.key, z.shape[-1])
-    if thr is not None:
-        score.masked_fill_(z < thr, float("-inf"))
-    score.add_(z)  # log p + Gumbel noise, up to a per-row constant that does not move the argmax
-    return torch.where(t.greedy, greedy_tokens, score.argmax(dim=-1))
+    else:
+        z = (logits - top).div_(t.temperature[:, None])
+        thr = thresholds(z, t)
+        if use_triton(z):
+            drawn = gumbel_argmax_triton(z, t.key, thr)
+        else:
+            score = neg_log_exponential(t.key, z.shape[-1])
+            if thr is not None:
+                score.masked_fill_(z < thr, float("-inf"))
+            score.add_(z)  # log p + Gumbel noise, up to a per-row constant that does not move the argmax
+            drawn = score.argmax(dim=-1)
+    # the greedy rows' raw argmax: a read of all the logits, so only when some row is greedy
+    return torch.where(t.greedy, logits.argmax(dim=-1), drawn) if t.any_greedy else drawn
 
 
 def sample_to_host(
