@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (with --dummy)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument(
+        "--pdl", action="store_true", help="EngineConfig.pdl: programmatic dependent launch (sm_90+)"
+    )
+    p.add_argument(
         "--kv-tokens", type=int, default=None, help="KV pool size (default: what the batches need)"
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_num_seqs": max(64, top),
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_cache": False,
+        "pdl": args.pdl,
     }
     world = max(args.tp, args.ep)
     if world > 1:

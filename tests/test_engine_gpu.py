@@ -88,6 +88,33 @@ def test_presets_float32_greedy_equals_cpu(name, monkeypatch):
             assert_same_greedy(want, got, NEAR_TIE, 1e-3, (name, graphs, len(prompt)))
 
 
+@pytest.mark.parametrize("name", ["tiny-gpt-oss-mxfp4", "tiny-minimax-m2-fp8"])
+def test_pdl_changes_no_result(name):
+    """EngineConfig.pdl (programmatic dependent launch: kernels overlap their neighbours' launch and tail,
+    each waiting for the one before it) gives bit-identical tokens and logprobs, at batch 1 (the one-token
+    GEMVs) and batched, with CUDA graphs; and the switch is really on (sm_90+)."""
+    from minakv.ops import triton_util
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    shape = {"dtype": "bfloat16", "page_size": 16, "max_num_batched_tokens": 64}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    runs = {}
+    try:
+        for pdl in (False, True):
+            engine = Engine(name, device="cuda", pdl=pdl, **shape)
+            assert triton_util.PDL is pdl
+            prompts = preset_prompts(engine)
+            alone = [engine.generate([p], params)[0] for p in prompts]
+            runs[pdl] = alone + engine.generate(prompts, params)
+            engine.check()
+    finally:
+        triton_util.PDL = False  # (process-wide: later tests run without it)
+    for off, on in zip(runs[False], runs[True]):
+        assert off.token_ids == on.token_ids
+        assert [lp.logprob for lp in off.logprobs] == [lp.logprob for lp in on.logprobs]
+
+
 def assert_same_greedy(want, got, near_tie: float, lp_tol: float, label) -> None:
     """Same tokens and logprobs, except that the runs may part at a near-tie of `want`'s two best
     candidates (then the continuations legitimately differ and the comparison stops there)."""

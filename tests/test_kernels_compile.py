@@ -157,6 +157,16 @@ def _route_fused() -> None:
         route_softmax_topk_fused(torch.randn(tokens, 2880).to(BF16), weight, bias, 4)
 
 
+@case("route_sigmoid_fused")
+def _route_sigmoid_fused() -> None:
+    """MiniMax-M2's routing in the same two launches: 256 experts, top-8, its fp32 correction bias."""
+    from minakv.ops.routing import route_sigmoid_bias_fused
+
+    for tokens in (1, 64):
+        weight = torch.randn(256, 3072).to(BF16)
+        route_sigmoid_bias_fused(torch.randn(tokens, 3072).to(BF16), weight, torch.randn(256), 8)
+
+
 def _routing(tokens: int, experts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from minakv.ops.moe import route_softmax_topk
 
@@ -340,6 +350,38 @@ def _moe_fp8() -> None:
     for tokens in (4, 80):
         weights, ids = _routing(tokens, experts, 8)
         moe_fp8(torch.randn(tokens, hidden).to(BF16), w, weights, ids, gub, db, "swiglu_oai")
+
+
+@case("pdl")
+def _pdl() -> None:
+    """The kernels that take programmatic dependent launch (EngineConfig.pdl), with it on: their gdc_wait /
+    gdc_launch_dependents and Triton's launch_pdl option, at batch 1 as the decode step runs them."""
+    from minakv.ops import triton_util
+    from minakv.ops.fp8_gemv import linear_fp8_gemv, moe_fp8_gemv
+    from minakv.ops.fp8_tile import quantize_experts
+    from minakv.ops.mxfp4_mma import moe_mxfp4_mma
+    from minakv.ops.norm import add_rms_norm, rms_norm
+    from minakv.ops.quant import quantize_fp8_block
+    from minakv.ops.routing import route_sigmoid_bias_fused, route_softmax_topk_fused
+
+    triton_util.PDL = True  # (the recorder launches nothing: no device needed)
+    try:
+        rms_norm(torch.randn(1, 2880).to(BF16), torch.randn(2880), 1e-5)
+        add_rms_norm(torch.randn(1, 2880).to(BF16), torch.randn(1, 4, 2880), torch.randn(2880), 1e-5)
+        route_softmax_topk_fused(torch.randn(1, 2880).to(BF16), torch.randn(32, 2880).to(BF16), None, 4)
+        route_sigmoid_bias_fused(torch.randn(1, 3072).to(BF16), torch.randn(256, 3072).to(BF16),
+                                 torch.randn(256), 8)  # fmt: skip
+        moe_mxfp4_mma(*_mxfp4_layer(1), sum_k=False)
+        weight, scale_inv = quantize_fp8_block(torch.randn(384, 1024))
+        for asm in (False, True):
+            linear_fp8_gemv(torch.randn(1, 1024).to(BF16), weight, scale_inv, x_in_asm=asm)
+        w = {}
+        w["gate_up"], w["gate_up_scale_inv"] = quantize_experts(torch.randn(32, 512, 384), halves=True)
+        w["down"], w["down_scale_inv"] = quantize_experts(torch.randn(32, 384, 256))
+        weights, ids = _routing(1, 32, 8)
+        moe_fp8_gemv(torch.randn(1, 384).to(BF16), w, weights, ids)
+    finally:
+        triton_util.PDL = False
 
 
 @case("sampling")

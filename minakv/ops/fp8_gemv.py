@@ -27,7 +27,7 @@ import triton.language as tl
 
 from minakv.ops.fp8_tile import check_fp8_weight, expert_shapes
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
-from minakv.ops.triton_util import check, num_sms, ptx_loads_ok
+from minakv.ops.triton_util import check, num_sms, pdl_options, ptx_loads_ok
 
 THREADS = 128  # 4 warps
 VECTORS_PER_THREAD = 2  # 16-byte vectors a thread loads per step (`strip`)
@@ -91,6 +91,7 @@ def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = No
         x, weight, scale_inv, bias if bias is not None else scale_inv, y, out_features, in_features,
         x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         BLOCK_N=block_n, GROUPS=groups, X_IN_ASM=ptx_loads_ok(x_in_asm, x), num_warps=num_warps,
+        **pdl_options(),
     )  # fmt: skip
     return y.view(*lead, out_features)
 
@@ -120,7 +121,7 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
         hidden, inter, gus.shape[1] // 2, k, float(limit), float(alpha), x.stride(0), gu.stride(0), gu.stride(1),
         gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
         HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], BLOCK_N=n1, GROUPS=g1,
-        X_IN_ASM=asm, num_warps=num_warps,
+        X_IN_ASM=asm, num_warps=num_warps, **pdl_options(),
     )  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -128,7 +129,7 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
-        BLOCK_N=n2, GROUPS=g2, X_IN_ASM=asm, num_warps=num_warps,
+        BLOCK_N=n2, GROUPS=g2, X_IN_ASM=asm, num_warps=num_warps, **pdl_options(),
     )  # fmt: skip
     return k_parts(y, num_tokens, k, x.dtype, sum_k)
 
@@ -147,12 +148,24 @@ def _load(w_rows, s_rows, n_ok, v0, K, GROUPS: tl.constexpr):
 
 @triton.jit
 def _gemv(
-    a_row, w_rows, s_rows, n_ok, K, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, X_IN_ASM: tl.constexpr
+    a_row,
+    w_rows,
+    s_rows,
+    n_ok,
+    K,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    X_IN_ASM: tl.constexpr,
+    GDC_WAIT: tl.constexpr = False,
 ):
     """[BN] fp32: the rows' dot products with a_row over K inputs, the next step's weights and inputs loaded
-    before this step's are used (or, X_IN_ASM, each vector loaded and dotted by one PTX block)."""
+    before this step's are used (or, X_IN_ASM, each vector loaded and dotted by one PTX block). GDC_WAIT
+    (triton_util.PDL): wait for the kernel before only once the first weights are asked for (no kernel
+    writes weights; a_row may be its output)."""
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     if X_IN_ASM:
+        if GDC_WAIT:
+            tl.extra.cuda.gdc_wait()
         for v0 in range(0, K // 16, GROUPS):
             offs_v = v0 + tl.arange(0, GROUPS)
             ok = n_ok[:, None] & (offs_v < K // 16)[None, :]
@@ -166,6 +179,8 @@ def _gemv(
             acc += part * tl.load(s_rows[:, None] + (offs_v // 8)[None, :], mask=ok, other=0.0)
     else:
         tile_next, scale_next = _load(w_rows, s_rows, n_ok, 0, K, GROUPS)
+        if GDC_WAIT:
+            tl.extra.cuda.gdc_wait()
         a_next = tl.load(a_row + tl.arange(0, GROUPS)[:, None] * 16 + tl.arange(0, 16)[None, :],
                          mask=(tl.arange(0, GROUPS) < K // 16)[:, None], other=0.0)  # fmt: skip
         for v0 in range(0, K // 16, GROUPS):
@@ -189,10 +204,12 @@ def _strip(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
 @triton.jit
 def _linear_gemv(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_x, stride_wn, stride_sn, stride_y,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                 X_IN_ASM: tl.constexpr):  # fmt: skip
+                 X_IN_ASM: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs_n, n_ok, w_rows, s_rows = _strip(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
-    out = _gemv(x_ptr + row * stride_x, w_rows, s_rows, n_ok, K, BLOCK_N, GROUPS, X_IN_ASM)
+    out = _gemv(x_ptr + row * stride_x, w_rows, s_rows, n_ok, K, BLOCK_N, GROUPS, X_IN_ASM, GDC_WAIT=USE_GDC)
+    if USE_GDC:  # every weight read: the next kernel may start (it waits for this one to finish)
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -203,9 +220,11 @@ def _gate_up_gemv(
     x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, H, I, UP_SCALE_ROW, TOPK, limit, alpha,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    X_IN_ASM: tl.constexpr,
+    X_IN_ASM: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
+    if USE_GDC:  # (triton_util.PDL) the ids and x are the kernels' before
+        tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     offs_n, n_ok, gate_rows, gate_s = _strip(w_e, s_e, I, stride_wn, stride_sn, BLOCK_N)
@@ -214,6 +233,8 @@ def _gate_up_gemv(
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     gate = _gemv(x_row, gate_rows, gate_s, n_ok, H, BLOCK_N, GROUPS, X_IN_ASM)[None, :]
     up = _gemv(x_row, up_rows, up_s, n_ok, H, BLOCK_N, GROUPS, X_IN_ASM)[None, :]
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         gate += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(b_ptr + expert * stride_bias + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -227,12 +248,17 @@ def _down_gemv(
     h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, X_IN_ASM: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
+    if USE_GDC:  # (triton_util.PDL) h is the kernel before's
+        tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n, n_ok, w_rows, s_rows = _strip(w_ptr + expert * stride_we, s_ptr + expert * stride_se, H, stride_wn,
                                           stride_sn, BLOCK_N)  # fmt: skip
     out = _gemv(h_ptr + pair.to(tl.int64) * stride_h, w_rows, s_rows, n_ok, I, BLOCK_N, GROUPS, X_IN_ASM)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         out += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     out *= tl.load(weights_ptr + pair)

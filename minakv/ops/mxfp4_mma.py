@@ -32,6 +32,7 @@ import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.mxfp4_order import pair_order, pair_position
+from minakv.ops.triton_util import pdl_options
 
 WARPS = tl.constexpr(4)  # per program: they split the groups of the same 16 rows, then add their sums
 ROWS = 16  # weight rows per program
@@ -200,8 +201,11 @@ def _gate_up_mma(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr, SPLITS: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
+    if USE_GDC:  # (triton_util.PDL) the ids and x are the kernels' before
+        tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair)
     row0, w_rows, s_rows = expert_rows(wb_ptr, ws_ptr, expert, I, stride_be, stride_bn, stride_se, stride_sn,
                                        GATE_UP=True)  # fmt: skip
@@ -211,6 +215,8 @@ def _gate_up_mma(
     lane, sum_a, sum_b = mma_rows(
         w_rows, s_rows, x_row + zero, stride_bn, stride_sn, g_lo, g_hi, I - row0, SETS=2, UNROLL=UNROLL
     )
+    if USE_GDC:  # the weights are read: the next kernel may start (it waits for this one to finish)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.where(lane % 4 == 0, lane // 4, -1)  # column 0 (the pair) is held by the lanes of t = 0
     g_a, u_a = warp_sets(sum_a)
     g_b, u_b = warp_sets(sum_b)
@@ -232,9 +238,11 @@ def _gate_up_mma(
 def _down_mma(
     h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y, HAS_BIAS: tl.constexpr,
-    UNROLL: tl.constexpr, SPLITS: tl.constexpr,
+    UNROLL: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
+    if USE_GDC:  # (triton_util.PDL) h is the kernel before's
+        tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     row0, w_rows, s_rows = expert_rows(wb_ptr, ws_ptr, expert, H, stride_be, stride_bn, stride_se, stride_sn,
                                        GATE_UP=False)  # fmt: skip
@@ -244,6 +252,8 @@ def _down_mma(
     lane, sum_a, sum_b = mma_rows(
         w_rows, s_rows, h_row + zero, stride_bn, stride_sn, g_lo, g_hi, H - row0, SETS=1, UNROLL=UNROLL
     )
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.where(lane % 4 == 0, lane // 4, -1)
     y_a, y_b = tl.sum(sum_a, 0), tl.sum(sum_b, 0)
     weight = tl.load(weights_ptr + pair)
@@ -288,7 +298,7 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         float(limit), float(alpha), triton.cdiv(hidden // 32, gu_splits), x16.stride(0), gub.stride(0),
         gub.stride(1), gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0,
         partial.stride(-2), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation],
-        num_warps=WARPS.value, UNROLL=unroll, SPLITS=gu_splits,
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=gu_splits, **pdl_options(),
     )  # fmt: skip
     if gu_splits > 1:
         finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, cols=2)
@@ -298,6 +308,6 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         triton.cdiv(inter // 32, d_splits), h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
-        num_warps=WARPS.value, UNROLL=unroll, SPLITS=d_splits,
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=d_splits, **pdl_options(),
     )  # fmt: skip
     return k_parts(y, num_tokens, k * d_splits, x.dtype, sum_k)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.ops.triton_util import check, use_triton
+from minakv.ops.triton_util import check, pdl_options, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = True) -> torch.Tensor:
@@ -50,18 +50,31 @@ def rms_norm_triton(
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, size, rows.stride(0), float(eps),
             BLOCK=block, WEIGHT_IN_FP32=weight_in_fp32, num_warps=min(16, max(1, block // 256)),
+            **pdl_options(),
         )  # fmt: skip
     return out.view(x.shape)
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, size, stride, eps, BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    size,
+    stride,
+    eps,
+    BLOCK: tl.constexpr,
+    WEIGHT_IN_FP32: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < size
+    if USE_GDC:  # (triton_util.PDL) the kernel before may still be writing x
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride + offs, mask=ok, other=0.0).to(tl.float32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     y = _normalize(x, w_ptr, offs, ok, size, eps, out_ptr.dtype.element_ty, WEIGHT_IN_FP32)
     tl.store(out_ptr + row * size + offs, y, mask=ok)
 
@@ -115,6 +128,7 @@ def add_rms_norm_triton(x, update, weight, eps, weight_in_fp32=True) -> tuple[to
         _add_rms_norm_kernel[(rows.shape[0],)](
             rows, adds, weight, total, out, size, rows.stride(0), adds.stride(0), float(eps), k,
             BLOCK=block, WEIGHT_IN_FP32=weight_in_fp32, num_warps=min(16, max(1, block // 256)),
+            **pdl_options(),
         )  # fmt: skip
     return total.view(x.shape), out.view(x.shape)
 
@@ -122,16 +136,20 @@ def add_rms_norm_triton(x, update, weight, eps, weight_in_fp32=True) -> tuple[to
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, a_ptr, w_ptr, total_ptr, out_ptr, size, stride_x, stride_a, eps, k,
-    BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr,
+    BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < size
     out_ty = out_ptr.dtype.element_ty
+    if USE_GDC:  # (triton_util.PDL) the kernel before may still be writing x or the update
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + row * stride_a + offs, mask=ok, other=0.0).to(tl.float32)
     for j in range(1, k):  # k parts: their fp32 sum, rounded to the stream's dtype like the MoE's output
         a += tl.load(a_ptr + row * stride_a + j * size + offs, mask=ok, other=0.0).to(tl.float32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     if k > 1:
         a = a.to(out_ty).to(tl.float32)
     s = (x + a).to(out_ty)  # the residual stream keeps x's dtype, as `x + update` does

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.ops.triton_util import check, interpreting
+from minakv.ops.triton_util import check, interpreting, pdl_options
 
 FUSED_MAX_TOKENS = 512
 BLOCK_T = 16  # tokens per program: the smallest tensor-core tile
@@ -71,11 +71,12 @@ def _route(x, weight, bias, k: int, sigmoid: bool) -> tuple[torch.Tensor, torch.
     _route_partial[(blocks, splits)](
         x, weight, partial, num_tokens, hidden, num_experts, per_split * block_h, E_PAD=e_pad,
         BLOCK_T=BLOCK_T, BLOCK_H=block_h, F32_DOT=x.dtype == torch.float32 or interpreting(), num_warps=4,
+        **pdl_options(),
     )  # fmt: skip
     _route_finish[(num_tokens,)](
         partial, bias if bias is not None else weight, x, weights, ids, num_experts, k, splits, blocks * BLOCK_T,
         HAS_BIAS=bias is not None, SIGMOID=sigmoid, E_PAD=e_pad, K_PAD=max(2, triton.next_power_of_2(k)),
-        S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4, **pdl_options(),
     )  # fmt: skip
     return weights, ids
 
@@ -84,7 +85,11 @@ def _route(x, weight, bias, k: int, sigmoid: bool) -> tuple[torch.Tensor, torch.
 def _route_partial(
     x_ptr, w_ptr, partial_ptr, num_tokens, hidden, num_experts, H_SPLIT,
     E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, F32_DOT: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    if USE_GDC:  # (triton_util.PDL) the kernel before may still be writing x
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # (the finishing kernel waits for all of this one anyway)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, E_PAD)
     ok_t, ok_e = offs_t < num_tokens, offs_e < num_experts
@@ -111,11 +116,14 @@ def _route_partial(
 def _route_finish(
     partial_ptr, b_ptr, x_ptr, weights_ptr, ids_ptr, num_experts, k, splits, rows,
     HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-    S_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """One token: its splits' partial logits in one load (a loop over them, one load each, took 8.7 us at
     120b's 23 splits), then the top-k and the weights (SIGMOID: MiniMax's, b_ptr its correction bias)."""
     t = tl.program_id(0)
+    if USE_GDC:  # (triton_util.PDL) the partial sums are the kernel before's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_s, offs_e = tl.arange(0, S_PAD), tl.arange(0, E_PAD)
     ok_e = offs_e < num_experts
     parts = tl.load(partial_ptr + (offs_s[:, None] * rows + t).to(tl.int64) * E_PAD + offs_e[None, :],

@@ -36,6 +36,26 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or (TRITON_ON_CPU and x.device.type == "cpu")
 
 
+# Programmatic dependent launch (Hopper and later; EngineConfig.pdl). A kernel launched with it may start
+# while the kernel before it in the stream is still finishing; it waits (`gdc_wait`) before it touches
+# memory that kernel may write, and lets the next one start (`gdc_launch_dependents`) once its own inputs
+# are read. So a decode step's small kernels overlap each other's launch, ramp and tail. Set by the worker.
+PDL = False
+
+
+def enable_pdl(enabled: bool, device: torch.device) -> bool:
+    """Turn programmatic dependent launch on for the kernels that take it (compiled, CUDA, sm_90+)."""
+    global PDL
+    PDL = bool(enabled and device.type == "cuda" and not interpreting())
+    PDL = PDL and torch.cuda.get_device_capability(device)[0] >= 9
+    return PDL
+
+
+def pdl_options() -> dict:
+    """A PDL-aware kernel's launch options: its USE_GDC constexpr, and Triton's launch_pdl when on."""
+    return {"USE_GDC": True, "launch_pdl": True} if PDL else {"USE_GDC": False}
+
+
 def ptx_loads_ok(asked: bool, x: torch.Tensor) -> bool:
     """Whether a GEMV's inline-PTX path that loads bf16 activations itself may run: asked for, compiled (the
     interpreter has no inline assembly), bf16 x whose rows start on 16 bytes (the blocks' vector loads)."""

@@ -17,6 +17,7 @@ import torch
 
 from minakv.config import EngineConfig
 from minakv.model import CausalLM, default_device_dtype, load_model
+from minakv.ops.triton_util import enable_pdl
 from minakv.parallel import SINGLE, Parallel
 from minakv.presets.real import build_dummy, dummy_tokenizer
 from minakv.text.tokenizer import Tokenizer
@@ -66,6 +67,7 @@ def make_worker(config: EngineConfig, model: CausalLM) -> tuple[Worker, int, int
     of them can hold, so a page number means the same slots on each; CUDA graphs stay off there for now
     (graphs around NCCL collectives are untested)."""
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+    enable_pdl(config.pdl, device)  # (a process-wide switch: the kernels read it at launch)
     limit = model.config.max_position_embeddings
     max_model_len = min(config.max_model_len or limit, limit)
     kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
