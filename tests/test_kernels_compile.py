@@ -371,7 +371,9 @@ def _pdl() -> None:
         route_softmax_topk_fused(torch.randn(1, 2880).to(BF16), torch.randn(32, 2880).to(BF16), None, 4)
         route_sigmoid_bias_fused(torch.randn(1, 3072).to(BF16), torch.randn(256, 3072).to(BF16),
                                  torch.randn(256), 8)  # fmt: skip
-        moe_mxfp4_mma(*_mxfp4_layer(1), sum_k=False)
+        moe_mxfp4_mma(*_mxfp4_layer(1), sum_k=False)  # (and the pair-order kernel before it)
+        _store(GPT_OSS, BF16)
+        _decode(GPT_OSS, BF16)
         weight, scale_inv = quantize_fp8_block(torch.randn(384, 1024))
         for asm in (False, True):
             linear_fp8_gemv(torch.randn(1, 1024).to(BF16), weight, scale_inv, x_in_asm=asm)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.attention import masked_attention, position_mask
-from minakv.ops.triton_util import check, interpreting, num_sms, use_triton
+from minakv.ops.triton_util import check, interpreting, num_sms, pdl_options, use_triton
 
 LOG2E = 1.4426950408889634
 
@@ -154,14 +154,14 @@ def decode_attention_triton(
         D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
         HAS_WINDOW=window is not None, ASCENDING=ascending,
         F32_DOT=q.dtype == torch.float32 or interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(),
     )  # fmt: skip
     sinks_arg = sinks if sinks is not None else part_ml  # any pointer; unused without sinks
     _decode_merge_kernel[(batch, num_heads)](
         part_acc, part_ml, sinks_arg, out, out.stride(0), out.stride(1), num_splits,
         D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        HAS_SINKS=sinks is not None, num_warps=4,
+        HAS_SINKS=sinks is not None, num_warps=4, **pdl_options(),
     )  # fmt: skip
     return out
 
@@ -190,7 +190,10 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, ASCENDING: tl.constexpr, F32_DOT: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    if USE_GDC:  # (triton_util.PDL) q and the pool are the kernels' before
+        tl.extra.cuda.gdc_wait()
     # The split count is the grid's third size, not a compile-time constant: it changes with batch size
     # and key count, and a constant would compile a new kernel for each value in the middle of serving.
     kv_head = tl.program_id(0)  # fastest: the KV heads of one key row are read together
@@ -251,6 +254,8 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if USE_GDC:  # the keys are read: the merge may start (it waits for this kernel to finish)
+        tl.extra.cuda.gdc_launch_dependents()
     row = b * tl.num_programs(0) * GROUP + heads  # b * Hq + head
     out_mask = (g < GROUP)[:, None] & (d < D)[None, :]
     tl.store(acc_ptr + (row[:, None] * NUM_SPLITS + split) * D + d[None, :], acc, mask=out_mask)
@@ -263,10 +268,13 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     acc_ptr, ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh, NUM_SPLITS,
     D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if USE_GDC:  # (triton_util.PDL) the partials are the split kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = b * tl.num_programs(1) + h
     sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)

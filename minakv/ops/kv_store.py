@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.rope import apply_rope
-from minakv.ops.triton_util import check, use_triton
+from minakv.ops.triton_util import check, pdl_options, use_triton
 
 
 def rotate_and_store(
@@ -65,7 +65,7 @@ def rotate_and_store_triton(q, k, v, cos, sin, slots, k_cache, v_cache) -> torch
             q_out.stride(0), q_out.stride(1), half, head_dim,
             HQ_PAD=triton.next_power_of_2(num_heads), HKV_PAD=triton.next_power_of_2(num_kv_heads),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D_PAD=triton.next_power_of_2(head_dim),
-            num_warps=4,
+            num_warps=4, **pdl_options(),
         )  # fmt: skip
     return q_out
 
@@ -89,9 +89,14 @@ def _rotate_and_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_qot, stride_qoh, half, D,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    D_PAD: tl.constexpr,
+    D_PAD: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
+    if (
+        USE_GDC
+    ):  # (triton_util.PDL) q, k, v are the projection's output; the pool is read by the kernels before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_d = tl.arange(0, D_PAD)
     rotated = offs_d < 2 * half
     first = offs_d < half

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minakv.ops.triton_util import pdl_options
+
 
 def pair_order(
     x: torch.Tensor, order: torch.Tensor | None = None, topk: int = 1, pad: int = 0
@@ -31,15 +33,26 @@ def pair_order(
     out = torch.empty(rows, k, dtype=torch.float16, device=x.device)
     src = order if order is not None else out  # (unread without an order)
     _pair_order_kernel[(rows, triton.cdiv(k, 1024))](
-        x, src, out, k, x.stride(0), rows - pad, topk, HAS_ORDER=order is not None, BLOCK=1024
+        x,
+        src,
+        out,
+        k,
+        x.stride(0),
+        rows - pad,
+        topk,
+        HAS_ORDER=order is not None,
+        BLOCK=1024,
+        **pdl_options(),
     )
     return out
 
 
 @triton.jit
 def _pair_order_kernel(x_ptr, order_ptr, out_ptr, K, stride_x, num_rows, TOPK, HAS_ORDER: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+                       BLOCK: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
+    if USE_GDC:  # (triton_util.PDL) x and the order are the kernels' before
+        tl.extra.cuda.gdc_wait()
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # destination: input 8j + m comes from 8j + src
     m = offs % 8
     src = offs - m + (m % 4) * 2 + m // 4
@@ -50,6 +63,8 @@ def _pair_order_kernel(x_ptr, order_ptr, out_ptr, K, stride_x, num_rows, TOPK, H
     else:
         x_row = row
     v = tl.load(x_ptr + x_row.to(tl.int64) * stride_x + src, mask=ok, other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     v = tl.minimum(tl.maximum(v.to(tl.float32), -65504.0), 65504.0)
     tl.store(out_ptr + row.to(tl.int64) * K + offs, v.to(tl.float16), mask=offs < K)
 
