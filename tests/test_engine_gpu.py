@@ -108,6 +108,8 @@ def test_pdl_changes_no_result(name):
             alone = [engine.generate([p], params)[0] for p in prompts]
             runs[pdl] = alone + engine.generate(prompts, params)
             engine.check()
+            graphs = engine.worker.graphs  # captured with PDL launches inside, and replayed
+            assert graphs is not None and graphs.failure is None and graphs.graphs, (pdl, graphs)
     finally:
         triton_util.PDL = False  # (process-wide: later tests run without it)
     for off, on in zip(runs[False], runs[True]):
