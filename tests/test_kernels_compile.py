@@ -333,7 +333,8 @@ def _fp8_gemv_x_in_asm() -> None:
 
 @case("moe_fp8")
 def _moe_fp8() -> None:
-    """MiniMax-M2's FP8 MoE (silu, no biases; top-8): fused at decode, grouped at prefill; and with biases."""
+    """MiniMax-M2's FP8 MoE (silu, no biases; top-8): fused at decode (ids scanned or sorted), grouped at
+    prefill; and with biases."""
     from minakv.ops.fp8_moe import moe_fp8
     from minakv.ops.fp8_tile import quantize_experts
 
@@ -343,7 +344,7 @@ def _moe_fp8() -> None:
         torch.randn(experts, 2 * inter, hidden), halves=True
     )
     w["down"], w["down_scale_inv"] = quantize_experts(torch.randn(experts, hidden, inter))
-    for tokens in (4, 80):
+    for tokens in (4, 16, 80):  # fused (ids scanned), fused (sorted first), grouped
         weights, ids = _routing(tokens, experts, 8)
         moe_fp8(torch.randn(tokens, hidden).to(BF16), w, weights, ids, activation="silu")
     gub, db = torch.randn(experts, 2 * inter).to(BF16), torch.randn(experts, hidden).to(BF16)

@@ -5,6 +5,8 @@ paths on the same dequantized weights."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from helpers.models import moe_reference
@@ -20,7 +22,11 @@ from minakv.ops.moe import route_sigmoid_bias, route_softmax_topk
 from minakv.ops.quant import dequantize_fp8_block, quantize_fp8_block
 
 LIMIT, ALPHA = 1.0, 1.702  # a small limit so the clamps of swiglu_oai bite
-PATHS = {"fused": moe_fp8_fused, "grouped": moe_fp8_grouped}
+PATHS = {
+    "fused": moe_fp8_fused,
+    "fused sorted": partial(moe_fp8_fused, sort=True),
+    "grouped": moe_fp8_grouped,
+}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -154,7 +160,7 @@ def test_moe_paths_match_reference(path: str, t: int) -> None:
     """4 experts, top-2, SiLU; blocks smaller than the dims (and for grouped, 16 rows: an expert's rows
     take several tiles at T=33), so every masked edge and loop runs."""
     args, ref = moe_case("silu", t, seed=t)
-    blocks = {"block_n": 32, "block_k": 64}
+    blocks = {"block_n": 32, "block_k": 64}  # (fused: the pairs scanned; fused sorted: from a counting sort)
     if path == "grouped":
         blocks["block_m"] = 16
     assert_matches(PATHS[path](*args, **blocks), ref)

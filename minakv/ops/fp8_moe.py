@@ -15,8 +15,9 @@ in bf16.
   <= 16 pairs           `moe_fp8_gemv` (minakv/ops/fp8_gemv.py): a GEMV per pair on the CUDA cores (and no
                         more pairs than experts).
   few pairs (decode)    `moe_fp8_fused`, below: the two kernels of fused_moe.py with an FP8 weight tile.
-                        Each program owns (expert, block of output columns), finds its expert's pairs by
-                        scanning the id list (no sort), and reads its FP8 tile and scales once:
+                        Each program owns (expert, block of output columns), finds its expert's pairs as
+                        they do (scanning the id list up to 64 pairs, else from a counting sort run
+                        first), and reads its FP8 tile and scales once:
 
       pairs  p0 p1 p2 p3 | p4 ...          kernel 1 (e, n..n+BN of I):  gate, up tiles of the same
       ids    3  0  7  1  | 3  ...             columns -> bias -> activation, in registers -> h[p, n:]
@@ -45,8 +46,8 @@ from minakv.ops.fp8_tile import (
     fp8_rows,
     scaled_dot,
 )
-from minakv.ops.fused_moe import _my_pairs, _pairs_of_rows
-from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+from minakv.ops.fused_moe import SCAN_MAX_PAIRS, _expert_rows, _row_pairs
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, sort_by_expert
 from minakv.ops.quant import dequantize_fp8_block
 from minakv.ops.triton_util import use_triton
 
@@ -117,10 +118,11 @@ def moe_fp8_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None,
 
 
 def moe_fp8_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
-                  limit=7.0, alpha=1.702, *, block_m: int | None = None, block_n: int = 32,
-                  block_k: int = 128, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:  # fmt: skip
+                  limit=7.0, alpha=1.702, *, sort: bool | None = None, block_m: int | None = None,
+                  block_n: int = 32, block_k: int = 128, num_warps: int = 4,
+                  num_stages: int = 4) -> torch.Tensor:  # fmt: skip
     """The decode path: two kernels, each chosen expert's FP8 weights read once. The keyword-only knobs are
-    for benchmarks and tests (block_k divides 128)."""
+    for benchmarks and tests (block_k divides 128; sort None: sort above fused_moe's SCAN_MAX_PAIRS)."""
     num_experts, hidden, inter = expert_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
@@ -131,12 +133,19 @@ def moe_fp8_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     gu, db = w["gate_up"], w["down"]
     gus, ds = w["gate_up_scale_inv"].contiguous(), w["down_scale_inv"].contiguous()
     dummy = ids  # any pointer, for absent biases
-    meta = {"PAIRS_PAD": max(16, triton.next_power_of_2(num_pairs)), "BLOCK_M": block_m, "BLOCK_N": block_n,
-            "BLOCK_K": block_k, "F32_DOT": f32_dot(x), "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
+    sort = num_pairs > SCAN_MAX_PAIRS if sort is None else sort
+    if sort:  # a program reads its expert's pair indices: order[start : start + count]
+        order, counts, starts, _ = sort_by_expert(ids, num_experts)
+    else:  # a program scans the id list
+        order = counts = starts = ids  # unused
+    rows = (ids, order, counts, starts)
+    meta = {"SORTED": sort, "PAIRS_PAD": 16 if sort else max(16, triton.next_power_of_2(num_pairs)),
+            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "F32_DOT": f32_dot(x),
+            "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
 
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
-        x, gu, gus, gate_up_bias if gate_up_bias is not None else dummy, ids, h,
+        x, gu, gus, gate_up_bias if gate_up_bias is not None else dummy, *rows, h,
         num_pairs, hidden, inter, gus.shape[1] // 2, k, float(limit), float(alpha),
         x.stride(0), gu.stride(0), gu.stride(1), gus.stride(0), gus.stride(1),
         gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
@@ -145,7 +154,7 @@ def moe_fp8_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_kernel[(num_experts, triton.cdiv(hidden, block_n))](
-        h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y,
+        h, db, ds, down_bias if down_bias is not None else dummy, *rows, weights, y,
         num_pairs, inter, hidden, h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
@@ -155,14 +164,15 @@ def moe_fp8_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr,
+    x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, order_ptr, counts_ptr, starts_ptr, h_ptr,
     num_pairs, H, I, UP_SCALE_ROW, TOPK, limit, alpha,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_h,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SORTED: tl.constexpr, PAIRS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     expert = tl.program_id(0)
-    mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
+    mine, number, count, start = _expert_rows(ids_ptr, counts_ptr, starts_ptr, num_pairs, expert, SORTED,
+                                              PAIRS_PAD)  # fmt: skip
     if count == 0:
         return
     e = expert.to(tl.int64)
@@ -176,8 +186,7 @@ def _gate_up_kernel(
         b_up = tl.load(b_ptr + expert * stride_bias + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for m0 in range(0, count, BLOCK_M):
-        m_ok = m0 + tl.arange(0, BLOCK_M) < count
-        pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)
+        pair, m_ok = _row_pairs(order_ptr, mine, number, count, start, m0, SORTED, BLOCK_M, PAIRS_PAD)
         x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -195,13 +204,14 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr,
+    h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, order_ptr, counts_ptr, starts_ptr, weights_ptr, y_ptr,
     num_pairs, I, H, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_y,
-    HAS_BIAS: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     expert = tl.program_id(0)
-    mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
+    mine, number, count, start = _expert_rows(ids_ptr, counts_ptr, starts_ptr, num_pairs, expert, SORTED,
+                                              PAIRS_PAD)  # fmt: skip
     if count == 0:
         return
     e = expert.to(tl.int64)
@@ -211,8 +221,7 @@ def _down_kernel(
         bias = tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for m0 in range(0, count, BLOCK_M):
-        m_ok = m0 + tl.arange(0, BLOCK_M) < count
-        pair = _pairs_of_rows(mine, number, m0, BLOCK_M, PAIRS_PAD)
+        pair, m_ok = _row_pairs(order_ptr, mine, number, count, start, m0, SORTED, BLOCK_M, PAIRS_PAD)
         h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):

@@ -31,10 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.ops.moe_groups import k_parts, sort_by_expert
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts, sort_by_expert
 from minakv.ops.triton_util import check, interpreting
 
-ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 SCAN_MAX_PAIRS = 64  # up to this many pairs the id scan is cheaper than a sort launch
 
 
@@ -226,12 +225,7 @@ def _gate_up_kernel(
         if HAS_BIAS:
             gate += b_gate[None, :]
             up += b_up[None, :]
-        if ACT == 0:  # silu(gate) * up
-            act = gate * tl.sigmoid(gate) * up
-        else:  # GPT-OSS: gate clamped from above, up on both sides, and the "+1" on up
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+        act = activate_tile(gate, up, limit, alpha, ACT)
         h_rows = h_ptr + pair.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
         tl.store(h_rows, act.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
