@@ -39,7 +39,7 @@ from minakv.ops.fp8_gemv import linear_fp8_gemv, moe_fp8_gemv
 from minakv.ops.fp8_linear import GEMV_MAX_ROWS, linear_fp8, linear_fp8_triton
 from minakv.ops.fp8_moe import FUSED_MAX_PAIRS, GEMV_MAX_PAIRS, moe_fp8, moe_fp8_fused, moe_fp8_grouped
 from minakv.ops.fp8_tile import KEYS, dequantize_experts
-from minakv.ops.fused_moe import moe_fused
+from minakv.ops.fused_moe import SCAN_MAX_PAIRS, moe_fused
 from minakv.ops.moe import moe_grouped, route_sigmoid_bias
 from minakv.ops.quant import dequantize_fp8_block
 from minakv.ops.routing import route_sigmoid_bias_fused
@@ -148,6 +148,9 @@ class Bench:
             )
             self.row(f"{tag} fp8 gemv x-in-asm", lambda: moe_fp8_gemv(x, w, weights, ids, x_in_asm=True), need,
                      headline=False)  # fmt: skip
+        if fused_ok and ids.numel() > SCAN_MAX_PAIRS:  # moe_fp8 sorted the pairs first: the id scan beside it
+            self.row(f"{tag} fp8 moe_fp8_fused, ids scanned", lambda: moe_fp8_fused(x, w, weights, ids, sort=False),
+                     need, headline=False)  # fmt: skip
         if fused_ok:  # the other FP8 path (the fused kernels' id scan is sized for decode batches)
             self.row(
                 f"{tag} fp8 moe_fp8_grouped",
