@@ -22,7 +22,7 @@
 #   kill      issue 14 (nvidia-h200-x2): a worker (decode, then prefill) killed mid-run, 20b dummy      ~200 s
 #   ceiling   issue 12: how fast one kernel can read 3-1024 MB (the floor of a decode GEMV's size)   ~30 s
 #   fp8       issue 12: MiniMax-M2 FP8 projections and MoE (GEMV, x-in-asm, tensor cores), 8 layers  ~60 s
-#   fp8gemv   issue 12: the FP8 GEMVs' strip shapes at one token (bench/fp8_gemv_sweep.py)           ~170 s
+#   gemvs     issue 12: the one-token GEMVs' strip shapes: FP8 (MiniMax-M2), bf16 (gpt-oss q/k/v, o) vs cuBLAS ~200 s
 #   pdl       issue 12: gpt-oss-120b (dummy) and 20b decode at batch 1 and 64, without then with EngineConfig.pdl ~300 s
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s

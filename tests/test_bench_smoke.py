@@ -76,6 +76,15 @@ def test_bench_mxfp4_tiny(tmp_path: Path) -> None:
     assert "check mxfp4 grouped E=4 T=17 vs fp32 loop" in run_script("bench_mxfp4.py", ["--tiny"], tmp_path)
 
 
+def test_gemv_sweep_tiny(tmp_path: Path) -> None:
+    """Every case of the one-token GEMV sweep runs, each config agreeing with its case's default."""
+    stdout = run_script("gemv_sweep.py", ["--tiny"], tmp_path)
+    rows = json.loads((tmp_path / "gemv_sweep.json").read_text())
+    names = {r["name"].split(" {")[0] for r in rows if r["kind"] == "bench"}
+    assert {"moe top-2 T=1", "bf16 qkv 128x72", "bf16 o_proj 72x96"} <= names, names
+    assert not [r for r in rows if r["kind"] == "note"], stdout[-2000:]  # no config failed or was left out
+
+
 def test_agent_replay_max_position_matches_the_program() -> None:
     """The script's message-level walk (it checks positions before building anything) agrees with the
     compiled program of every round's request, in every mode."""

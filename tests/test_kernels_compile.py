@@ -383,8 +383,18 @@ def _pdl() -> None:
         w["down"], w["down_scale_inv"] = quantize_experts(torch.randn(32, 384, 256))
         weights, ids = _routing(1, 32, 8)
         moe_fp8_gemv(torch.randn(1, 384).to(BF16), w, weights, ids)
+        _bf16_gemv()
     finally:
         triton_util.PDL = False
+
+
+@case("bf16_gemv")
+def _bf16_gemv() -> None:
+    """The one-row bf16 GEMV at gpt-oss's q/k/v and o_proj shapes, with their biases."""
+    from minakv.ops.bf16_gemv import linear_gemv
+
+    for out, inp in ((5120, 2880), (2880, 4096)):
+        linear_gemv(torch.randn(1, inp).to(BF16), torch.randn(out, inp).to(BF16), torch.randn(out).to(BF16))
 
 
 @case("sampling")

@@ -62,7 +62,7 @@ mov.f32 s, 0f00000000;
 def strip(programs_per_row_block: int, out: int, sms: int) -> tuple[int, int]:
     """(BN, G): the widest power-of-two strip, at most 16 rows, that still gives ~4 programs per SM, and the
     vectors per row per step that give each thread two (four in flight with the prefetch). On an H100, one
-    token at MiniMax-M2's shapes on distinct weights (bench/fp8_gemv_sweep.py): the MoE took 56.7 us at
+    token at MiniMax-M2's shapes on distinct weights (bench/gemv_sweep.py): the MoE took 56.7 us at
     16 x 16 against 71.3 at 32 x 4, o_proj 11.2 against 12.5 us; one vector a thread or four were slower."""
     block_n = 16
     while block_n > 1 and programs_per_row_block * triton.cdiv(out, block_n) < 4 * sms:
@@ -74,7 +74,7 @@ def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = No
                     x_in_asm: bool = False, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """x [..., in] @ W^T (+ bias) -> [..., out] in x's dtype (linear_fp8's arguments), for few rows of x.
     x_in_asm: one PTX block loads and dots each vector (bf16 x on the GPU; no prefetch), for benchmarks: at
-    two vectors a thread the prefetching form was as fast or faster (bench/fp8_gemv_sweep.py)."""
+    two vectors a thread the prefetching form was as fast or faster (bench/gemv_sweep.py)."""
     check_fp8_weight(weight, scale_inv)
     out_features, in_features = weight.shape
     check(
