@@ -23,9 +23,8 @@ import gc
 import time
 
 GC_YOUNG_THRESHOLD = 50_000  # net allocations between young collections (CPython: 700 in 3.12, 2,000 in 3.13)
-GC_OLD_THRESHOLD = (
-    1_000_000  # middle collections between automatic full ones (CPython: 10): never, in practice
-)
+# middle collections between automatic full ones (CPython: 10): never, in practice
+GC_OLD_THRESHOLD = 1_000_000
 IDLE_EVERY_S = 10.0  # an idle engine collects at most this often
 BUSY_EVERY_S = 300.0  # a busy one this often: one pause of ~0.1-0.2 s in minutes of serving
 _last_full = [time.monotonic()]

@@ -100,8 +100,8 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
                  limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int | None = None,
                  groups: int | None = None, x_in_asm: bool = False, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """moe_fp8's function for few pairs -> [T, H] in x's dtype (sum_k=False: the k parts [T, k, H] fp32).
-    block_n, groups (vectors per row per step: THREADS // block_n gives each thread one) and num_warps are for
-    benchmarks and tests."""
+    block_n, groups (vectors per row per step; `strip` picks both) and num_warps are for benchmarks and
+    tests."""
     _, hidden, inter = expert_shapes(x, w, topk_ids, activation)
     check(hidden % 16 == 0 and inter % 16 == 0, f"hidden {hidden} and intermediate {inter}: multiples of 16")
     num_tokens, k = topk_ids.shape

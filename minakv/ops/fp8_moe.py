@@ -46,8 +46,8 @@ from minakv.ops.fp8_tile import (
     fp8_rows,
     scaled_dot,
 )
-from minakv.ops.fused_moe import SCAN_MAX_PAIRS, _expert_rows, _row_pairs
-from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, sort_by_expert
+from minakv.ops.fused_moe import SCAN_MAX_PAIRS, _expert_rows, _row_pairs, find_rows
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
 from minakv.ops.quant import dequantize_fp8_block
 from minakv.ops.triton_util import use_triton
 
@@ -134,14 +134,9 @@ def moe_fp8_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     gus, ds = w["gate_up_scale_inv"].contiguous(), w["down_scale_inv"].contiguous()
     dummy = ids  # any pointer, for absent biases
     sort = num_pairs > SCAN_MAX_PAIRS if sort is None else sort
-    if sort:  # a program reads its expert's pair indices: order[start : start + count]
-        order, counts, starts, _ = sort_by_expert(ids, num_experts)
-    else:  # a program scans the id list
-        order = counts = starts = ids  # unused
-    rows = (ids, order, counts, starts)
-    meta = {"SORTED": sort, "PAIRS_PAD": 16 if sort else max(16, triton.next_power_of_2(num_pairs)),
-            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "F32_DOT": f32_dot(x),
-            "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
+    rows, pairs_pad = find_rows(ids, num_experts, sort)
+    meta = {"SORTED": sort, "PAIRS_PAD": pairs_pad, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "F32_DOT": f32_dot(x), "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
 
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](

@@ -60,13 +60,8 @@ def moe_fused(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_
     block_k = block_k or (64 if block_m >= 128 else 128)  # 128 x 128 x-tiles would crowd shared memory
 
     ids = topk_ids.reshape(-1).contiguous()
-    if sort:
-        order, counts, starts, _ = sort_by_expert(ids, num_experts)
-        pairs_pad = 16  # unused: no scan
-    else:
-        order = counts = starts = ids  # unused
-        pairs_pad = max(16, triton.next_power_of_2(num_pairs))
-    rows = (ids, order, counts, starts, num_pairs)
+    rows, pairs_pad = find_rows(ids, num_experts, sort)
+    rows = (*rows, num_pairs)
     meta = {
         "SORTED": sort, "SWAP_AB": swap_ab, "PAIRS_PAD": pairs_pad, "BLOCK_M": block_m, "BLOCK_N": block_n,
         "BLOCK_K": block_k, "F32_DOT": x.dtype == torch.float32 or interpreting(),
@@ -91,6 +86,16 @@ def moe_fused(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=None, down_
         HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
     return k_parts(y, num_tokens, k, x.dtype, sum_k)
+
+
+def find_rows(ids: torch.Tensor, num_experts: int, sort: bool) -> tuple[tuple[torch.Tensor, ...], int]:
+    """How the kernels find an expert's pairs (here and in fp8_moe.py): ((ids, order, counts, starts), the
+    scan's PAIRS_PAD). Sorted: the counting sort's order and per-expert runs; else the ids alone (the others
+    are unread stand-ins) and the padded length of the id scan."""
+    if sort:
+        order, counts, starts, _ = sort_by_expert(ids, num_experts)
+        return (ids, order, counts, starts), 16  # (PAIRS_PAD unused: no scan)
+    return (ids, ids, ids, ids), max(16, triton.next_power_of_2(ids.numel()))
 
 
 def default_block_m(num_pairs: int, num_experts: int, sort: bool) -> int:
