@@ -64,7 +64,14 @@ for step in $STEPS; do
             timeout 300 python3 bench/kill_worker.py --dummy --side prefill ;;
         ceiling) timeout 120 python3 bench/read_ceiling.py ;;
         fp8) timeout 300 python3 bench/bench_fp8.py --tokens 1,4,64 --layers 8 ;;
-        fp8gemv) timeout 200 python3 bench/fp8_gemv_sweep.py --budget-s 150 ;;
+        gemvs) timeout 230 python3 bench/gemv_sweep.py --budget-s 180 ;;
+        pdl) for model in gpt-oss-20b gpt-oss-120b; do for pdl in off on; do  # four row files, named here
+                timeout 150 python3 bench/decode_sweep.py --dummy $model --batches 1,64 --prompt 400 --repeats 1 \
+                    --kv-tokens 60000 $([ $pdl = on ] && echo --pdl)
+                mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_${model}_pdl_$pdl.json"
+            done; done ;;
+        sort) timeout 120 python3 bench/moe_variants.py --tokens 64,256,512,1024 --only none --budget 0 \
+            --out "$OUT/moe_sort.json" ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;
         *) echo "unknown step $step" ;;
     esac > "$log" 2>&1
