@@ -7,7 +7,9 @@ import pytest
 import torch
 from helpers.triton import interpreted
 
-from minakv.ops.bf16_gemv import linear_gemv
+from minakv.ops.bf16_gemv import linear, linear_gemv
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @interpreted
@@ -37,3 +39,31 @@ def test_linear_gemv_rows_and_bf16() -> None:
     y = linear_gemv(x, weight)
     assert y.shape == (2, 3, 96) and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
+def test_linear_leaves_what_it_does_not_take_to_torch() -> None:
+    """`linear` (what the model's projections call): on the CPU, and for float32 or several rows, exactly
+    F.linear."""
+    gen = torch.Generator().manual_seed(1)
+    weight, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    for x in (torch.randn(1, 64, generator=gen), torch.randn(3, 64, generator=gen)):
+        assert torch.equal(linear(x, weight, b), torch.nn.functional.linear(x, weight, b))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("out,inp", [(5120, 2880), (2880, 4096)])  # gpt-oss's q/k/v (fused) and o_proj
+def test_linear_real_shapes_gpu(out: int, inp: int) -> None:
+    """One bf16 row at gpt-oss's attention shapes takes the GEMV: against float64, within what cuBLAS's bf16
+    output on the same inputs reaches; several rows go to cuBLAS unchanged."""
+    gen = torch.Generator("cuda").manual_seed(out)
+    weight = (torch.randn(out, inp, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    b = torch.randn(out, generator=gen, device="cuda").to(torch.bfloat16)
+    x = torch.randn(4, inp, generator=gen, device="cuda").to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x.double(), weight.double(), b.double())
+    ours, cublas = linear(x[:1], weight, b), torch.nn.functional.linear(x[:1], weight, b)
+    assert not torch.equal(ours, cublas)  # (a different summation order: the GEMV ran)
+    err = float((ours.double() - ref[:1]).norm() / ref[:1].norm())
+    bar = float((cublas.double() - ref[:1]).norm() / ref[:1].norm())
+    assert err < 2 * bar + 1e-4, (err, bar)
+    assert torch.equal(linear(x, weight, b), torch.nn.functional.linear(x, weight, b))

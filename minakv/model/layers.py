@@ -24,6 +24,7 @@ from torch import nn
 
 from minakv.model.config import ModelConfig
 from minakv.model.context import AttentionContext, AttentionLayer
+from minakv.ops.bf16_gemv import linear
 from minakv.ops.fp8_linear import linear_fp8
 from minakv.ops.norm import add_rms_norm, rms_norm
 from minakv.ops.rope import Rope
@@ -44,6 +45,13 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + update, this norm of it), in one kernel on the GPU."""
         return add_rms_norm(x, update, self.weight, self.eps, self.weight_in_fp32)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose one-row forward (decode at batch 1) runs the bf16 GEMV (minakv/ops/bf16_gemv.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class Fp8Linear(nn.Module):
@@ -69,7 +77,7 @@ def fp8_resident(config: ModelConfig) -> bool:
 def make_linear(config: ModelConfig, in_features: int, out_features: int, bias: bool) -> nn.Module:
     if fp8_resident(config) and not bias:
         return Fp8Linear(in_features, out_features)
-    return nn.Linear(in_features, out_features, bias=bias)
+    return Linear(in_features, out_features, bias=bias)
 
 
 def make_norm(config: ModelConfig, size: int) -> RMSNorm:
@@ -101,7 +109,7 @@ class Attention(nn.Module):
         forward runs one GEMM instead of three: at decode batch 1 a launch costs more than its bytes. Plain
         linear layers only (FP8 ones keep their kernel)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv is not None or not all(type(p) is nn.Linear for p in projs):
+        if self.qkv is not None or not all(type(p) is Linear for p in projs):
             return
         weight = torch.cat([p.weight.detach() for p in projs])
         bias = torch.cat([p.bias.detach() for p in projs]) if projs[0].bias is not None else None
@@ -125,7 +133,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
         if self.qkv is not None:  # views of one [T, q + 2 kv] product: the kernels below take strides
-            q, k, v = F.linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
+            q, k, v = linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:

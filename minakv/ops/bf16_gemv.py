@@ -11,17 +11,32 @@ vector slot, the next step's weights and inputs loaded before this step's are us
 
 and the bias added in the same kernel. Under programmatic dependent launch (triton_util.PDL) the first
 weights are asked for before the wait on the kernel before: no kernel writes weights, and x is its output.
-Not yet taken by the model: bench/gemv_sweep.py times it against F.linear first.
+
+Strips of at most 4 rows (8 were the FP8 rule's pick for q/k/v): on an H100, one token on distinct weights
+(bench/gemv_sweep.py, bench/RESULTS.md), q/k/v took 13.8 us against 15.7 at 8 rows and 14.8 in cuBLAS,
+o_proj 12.1 against 15.2 in cuBLAS. `linear` sends one bf16 row on the GPU here and the rest to F.linear.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from minakv.ops.fp8_gemv import strip
 from minakv.ops.triton_util import check, num_sms, pdl_options
+
+WIDEST = 4  # rows per strip at most (see the module docstring)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, but one bf16 row on a CUDA device (decode at batch 1) through `linear_gemv`."""
+    one_row = x.numel() == x.shape[-1]
+    bf16 = x.dtype == weight.dtype == torch.bfloat16 and weight.stride(-1) == 1
+    if one_row and x.is_cuda and bf16 and x.shape[-1] % 8 == 0:
+        return linear_gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -36,7 +51,7 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     lead = x.shape[:-1]
     x = x.reshape(-1, in_features).contiguous()
     rows = x.shape[0]
-    auto_n, auto_g = strip(rows, out_features, num_sms(x.device))
+    auto_n, auto_g = strip(rows, out_features, num_sms(x.device), WIDEST)
     block_n, groups = block_n or auto_n, groups or auto_g
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     _linear_gemv_kernel[(rows, triton.cdiv(out_features, block_n))](

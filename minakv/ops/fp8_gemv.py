@@ -59,12 +59,12 @@ mov.f32 s, 0f00000000;
 )
 
 
-def strip(programs_per_row_block: int, out: int, sms: int) -> tuple[int, int]:
-    """(BN, G): the widest power-of-two strip, at most 16 rows, that still gives ~4 programs per SM, and the
-    vectors per row per step that give each thread two (four in flight with the prefetch). On an H100, one
+def strip(programs_per_row_block: int, out: int, sms: int, widest: int = 16) -> tuple[int, int]:
+    """(BN, G): the widest power-of-two strip, at most `widest` rows, that still gives ~4 programs per SM, and
+    the vectors per row per step that give each thread two (four in flight with the prefetch). On an H100, one
     token at MiniMax-M2's shapes on distinct weights (bench/gemv_sweep.py): the MoE took 56.7 us at
     16 x 16 against 71.3 at 32 x 4, o_proj 11.2 against 12.5 us; one vector a thread or four were slower."""
-    block_n = 16
+    block_n = widest
     while block_n > 1 and programs_per_row_block * triton.cdiv(out, block_n) < 4 * sms:
         block_n //= 2
     return block_n, VECTORS_PER_THREAD * THREADS // block_n
