@@ -33,14 +33,13 @@ import sys
 import time
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agent_replay import MAX_TOKEN_ID, fmt
 from common import Log, copy_bandwidth
-from e2e_decode import DEVICE, build_ours, configs, step_bytes, step_time
+from e2e_decode import DEVICE, build_ours, configs, graph_replay_ms, step_bytes, step_time
 
 from minakv import Engine, SamplingParams
 from minakv.model import make_meta_model
@@ -56,16 +55,6 @@ def sampling(mode: str, batch: int, n: int, args: argparse.Namespace) -> list[Sa
         return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)] * batch
     return [SamplingParams(max_tokens=n, temperature=args.temperature, top_p=args.top_p, seed=1000 + i,
                            ignore_eos=True) for i in range(batch)]  # fmt: skip
-
-
-def graph_replay_ms(engine: Engine, batch: int) -> float | None:
-    """Device time of one decode step at `batch`: the median replay of the captured graph the engine used
-    for it, with the inputs of its last step (None on CPU or when none was captured)."""
-    graphs = engine.worker.graphs
-    g = graphs.find(batch) if graphs is not None else None
-    if g is None:
-        return None
-    return float(triton.testing.do_bench(g.graph.replay, warmup=10, rep=100, return_mode="median"))
 
 
 def kernel_table(engine: Engine, batch: int, replays: int = 20, top: int = 24) -> None:
@@ -207,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             rows[batch, "sampled"]["sampled_over_greedy"] = ratio
         print({k: round(v["ms_per_step"], 3) for k, v in rows.items() if k[0] == batch}, flush=True)
     for (batch, mode), row in rows.items():
-        replay_ms = graph_replay_ms(engine, batch)
+        replay_ms = graph_replay_ms(engine, batch, min(config.vocab_size, MAX_TOKEN_ID))
         row.update(
             graph_replay_ms=replay_ms, gpu_busy=None if replay_ms is None else replay_ms / row["ms_per_step"]
         )
