@@ -45,7 +45,7 @@ for step in $STEPS; do
         gemv) timeout 200 python3 bench/mxfp4_variants.py --tokens 1,8,64 --only gemv --out "$OUT/gemv_variants.json" ;;
         grouped) timeout 300 python3 bench/mxfp4_variants.py --tokens 8,16,64,256,512,1024,4096 --budget-s 240 \
             --only "mma grouped,u4 split 1,fused default,grouped default,bf16 once,bf16 fused,bf16 grouped" --out "$OUT/grouped_mma.json" ;;
-        dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 ;;
+        dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 --kernels ;;
         dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
         k512) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 256,512 --prompt 1024 --n1 64 --n2 160 --max-num-batched-tokens 16384 --repeats 1 --modes greedy --kernels ;;
         prefill20) timeout 200 python3 bench/prefill_long.py --dummy gpt-oss-20b --lengths 1024 --requests 128 --chunk 16384 --kernels ;;
