@@ -179,7 +179,8 @@ def graph_replay_ms(engine: Engine, batch: int, vocab: int) -> float | None:
     g = graphs.find(batch) if graphs is not None else None
     if g is None:
         return None
-    g.buffer[: g.batch].random_(0, vocab)  # (the ids; the next real step rewrites the whole buffer)
+    with torch.inference_mode():  # (the ids; the next real step rewrites the whole buffer)
+        g.buffer[: g.batch].random_(0, vocab)
     return float(triton.testing.do_bench(g.graph.replay, warmup=10, rep=100, return_mode="median"))
 
 
