@@ -6,7 +6,7 @@ pairs by expert on the device, finding a grouped-GEMM program's tile, and the ex
     tiles  [e0: p1 p4] [e1: p3] [e3: p0 p2 p5]   ceil(count / BLOCK_M) tiles per expert; tile_ends [1, 2, 2, 3]
 
 The grouping is built with device ops only (no host sync): a counting sort for decode batches
-(`sort_by_expert`: one program for few pairs, a program per chunk of pairs in two launches beyond
+(`sort_by_expert`: one program for few pairs, a program per chunk of pairs in two launches from
 PARALLEL_SORT_PAIRS), torch's stable argsort beyond SORT_MAX_PAIRS pairs. So a step stays capturable in a
 CUDA graph; the grid is sized from a bound the host knows (`max_tiles`), and programs past the last tile
 return at once.
@@ -32,9 +32,11 @@ def k_parts(y: torch.Tensor, num_tokens: int, parts: int, dtype: torch.dtype, su
 
 
 SORT_MAX_PAIRS = 8192  # up to here the counting sort beats torch's argsort (decode batches)
-# beyond this many pairs the sort runs as a program per chunk (two launches) rather than one program walking
-# every chunk: that one took 27.8 us a layer at 2,048 pairs on the H200, 0.67 ms of a batch-512 step
-PARALLEL_SORT_PAIRS = 1024
+# from this many pairs the sort runs as a program per chunk (two launches) rather than one program walking
+# every chunk. On an H100 (bench/moe_variants.py, step `sort`) two launches won at every size measured,
+# 256-4,096 pairs: 120b's 128 experts 16.7 -> 10.8 us at 256 pairs, 202 -> 16 us at 4,096; 20b's 32 experts
+# 12.3 -> 10.1 us at 256. (The H200 took 27.8 us a layer at 2,048 pairs in one program.)
+PARALLEL_SORT_PAIRS = 256
 
 
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -56,7 +58,7 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = 0, parallel: bool | None = None):
     """Pair indices grouped by expert (stable), per-expert counts and starts, and with block_m > 0 each
-    expert's end in tiles of block_m rows (tile_ends, else None): no host sync. parallel (default: beyond
+    expert's end in tiles of block_m rows (tile_ends, else None): no host sync. parallel (default: from
     PARALLEL_SORT_PAIRS pairs): a program per chunk of pairs, in two launches (`_count_kernel`, then
     `_place_kernel`), instead of one program for all."""
     num_pairs = ids.numel()
@@ -65,7 +67,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = 0, parall
     e_pad = triton.next_power_of_2(num_experts)
     chunk = max(16, min(triton.next_power_of_2(num_pairs), 8192 // e_pad))  # a [chunk, E] one-hot per step
     meta = {"E_PAD": e_pad, "CHUNK": chunk, "TILES": block_m > 0}
-    if parallel if parallel is not None else num_pairs > PARALLEL_SORT_PAIRS:
+    if parallel if parallel is not None else num_pairs >= PARALLEL_SORT_PAIRS:
         chunks = triton.cdiv(num_pairs, chunk)
         per_chunk = torch.empty(chunks, e_pad, dtype=torch.int32, device=ids.device)
         _count_kernel[(chunks,)](ids, per_chunk, num_pairs, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
