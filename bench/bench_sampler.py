@@ -20,7 +20,7 @@ import time
 import torch
 from common import Log
 
-from minakv.ops.sampling import top_p_threshold_triton
+from minakv.ops.top_p import top_p_threshold_triton
 from minakv.params import SamplingParams
 from minakv.worker.sampler import SamplingTensors, sample, sample_to_host
 
@@ -126,19 +126,24 @@ def bench(log: Log, copy_bw: float, vocab: int, batches: tuple[int, ...], device
 
 
 def top_p_ways(log: Log, ms_of, z: torch.Tensor) -> None:
-    """The top-p threshold kernel's search width (ways=2 is plain halving): time, and the same threshold."""
+    """The top-p threshold kernel's forms (one program a row, or the row in slices) and search widths (ways=2
+    is plain halving): time, and the same threshold (exact: the masses are summed as integers)."""
     rows = z.shape[0]
     thr = torch.full((rows, 1), float("-inf"), device=z.device)
     top_p = torch.full((rows,), 0.9, device=z.device)
-    ref = top_p_threshold_triton(z, thr, top_p, ways=2, block=2048, num_warps=8)
-    for ways, block, warps in ((2, 2048, 8), (2, 4096, 8), (2, 8192, 16), (2, 16384, 16), (4, 4096, 16),
-                               (4, 8192, 16), (8, 2048, 16), (8, 4096, 16)):  # fmt: skip
+    ref = top_p_threshold_triton(z, thr, top_p, splits=1, ways=2, block=2048, num_warps=8)
+    for splits, ways, block, warps in ((1, 2, 2048, 8), (1, 4, 2048, 8), (1, 4, 4096, 16), (1, 8, 2048, 8),
+                                       (None, 4, 1024, 4), (8, 4, 1024, 4), (32, 4, 1024, 4), (64, 4, 1024, 4),
+                                       (64, 8, 1024, 4), (64, 16, 512, 4)):  # fmt: skip
 
-        def fn(ways=ways, block=block, warps=warps) -> torch.Tensor:
-            return top_p_threshold_triton(z, thr, top_p, ways=ways, block=block, num_warps=warps)
+        def fn(splits=splits, ways=ways, block=block, warps=warps) -> torch.Tensor:
+            return top_p_threshold_triton(
+                z, thr, top_p, splits=splits, ways=ways, block=block, num_warps=warps
+            )
 
-        log.add("bench", name=f"B={rows} top-p threshold kernel, {ways}-way, block {block}, {warps} warps", ms=ms_of(fn),
-                figure=f"same as halving: {torch.equal(fn(), ref)}", headline=rows >= 128)  # fmt: skip
+        form = "default split" if splits is None else f"{splits} split{'s' if splits > 1 else ''}"
+        log.add("bench", name=f"B={rows} top-p threshold, {form}, {ways}-way, block {block}, {warps} warps",
+                ms=ms_of(fn), figure=f"same as halving: {torch.equal(fn(), ref)}", headline=rows >= 128)  # fmt: skip
 
 
 def main() -> None:
@@ -152,7 +157,7 @@ def main() -> None:
     else:
         from common import copy_bandwidth
 
-        device, vocab, batches = "cuda", 201088, (1, 128, 256)
+        device, vocab, batches = "cuda", 201088, (1, 8, 128, 256)
         copy_bw = copy_bandwidth()
     log.add("bench", name="copy bandwidth", ms=0.0, figure=f"{copy_bw / 1e12:.3f} TB/s", headline=True)
     check(log, vocab, device)

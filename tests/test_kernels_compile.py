@@ -400,7 +400,8 @@ def _bf16_gemv() -> None:
 @case("sampling")
 def _sampling() -> None:
     """The sampler's kernels (minakv/worker/sampler.py): Gumbel argmax with and without a threshold, top-p."""
-    from minakv.ops.sampling import gumbel_argmax_triton, top_p_threshold_triton
+    from minakv.ops.sampling import gumbel_argmax_triton
+    from minakv.ops.top_p import top_p_threshold_triton
 
     rows, vocab = 3, 201088
     z = torch.randn(rows, vocab)
@@ -409,7 +410,8 @@ def _sampling() -> None:
     gumbel_argmax_triton(z, key, None)
     gumbel_argmax_triton(z, key, thr)
     gumbel_argmax_triton(z, key, None, shift=z.amax(-1, keepdim=True), temperature=torch.full((rows,), 0.7))
-    top_p_threshold_triton(z, thr, torch.full((rows,), 0.9))
+    top_p_threshold_triton(z, thr, torch.full((rows,), 0.9), splits=1)
+    top_p_threshold_triton(z, thr, torch.full((rows,), 0.9), splits=8)
 
 
 @pytest.fixture(scope="module")

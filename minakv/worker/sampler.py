@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minakv.ops.sampling import gumbel_argmax_triton, top_p_threshold_triton
+from minakv.ops.sampling import gumbel_argmax_triton
+from minakv.ops.top_p import top_p_threshold_triton
 from minakv.ops.triton_util import use_triton
 from minakv.outputs import TokenLogprob
 from minakv.params import SamplingParams
