@@ -133,7 +133,7 @@ def top_p_ways(log: Log, ms_of, z: torch.Tensor) -> None:
     top_p = torch.full((rows,), 0.9, device=z.device)
     ref = top_p_threshold_triton(z, thr, top_p, splits=1, ways=2, block=2048, num_warps=8)
     for splits, ways, block, warps in ((1, 2, 2048, 8), (1, 4, 2048, 8), (1, 4, 4096, 16), (1, 8, 2048, 8),
-                                       (None, 4, 1024, 4), (8, 4, 1024, 4), (32, 4, 1024, 4), (64, 4, 1024, 4),
+                                       (None, None, 2048, 8), (8, 4, 1024, 4), (32, 4, 1024, 4), (64, 4, 1024, 4),
                                        (64, 8, 1024, 4), (64, 16, 512, 4)):  # fmt: skip
 
         def fn(splits=splits, ways=ways, block=block, warps=warps) -> torch.Tensor:
@@ -141,8 +141,8 @@ def top_p_ways(log: Log, ms_of, z: torch.Tensor) -> None:
                 z, thr, top_p, splits=splits, ways=ways, block=block, num_warps=warps
             )
 
-        form = "default split" if splits is None else f"{splits} split{'s' if splits > 1 else ''}"
-        log.add("bench", name=f"B={rows} top-p threshold, {form}, {ways}-way, block {block}, {warps} warps",
+        form = "defaults" if splits is None else f"{splits} split{'s' if splits > 1 else ''}, {ways}-way"
+        log.add("bench", name=f"B={rows} top-p threshold, {form}, block {block}, {warps} warps",
                 ms=ms_of(fn), figure=f"same as halving: {torch.equal(fn(), ref)}", headline=rows >= 128)  # fmt: skip
 
 
