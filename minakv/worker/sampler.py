@@ -204,7 +204,7 @@ def thresholds(z: torch.Tensor, t: SamplingTensors) -> torch.Tensor | None:
         k = t.top_k.clamp(min=1, max=width)[:, None]
         thr = torch.where((t.top_k > 0)[:, None], top.gather(1, k - 1), thr)
     if t.any_top_p:
-        if use_triton(z):  # a search for the threshold (docs in minakv/ops/sampling.py): no sort
+        if use_triton(z):  # a search for the threshold (docs in minakv/ops/top_p.py): no sort
             thr = torch.maximum(thr, top_p_threshold_triton(z, thr, t.top_p))
         else:
             thr = torch.maximum(thr, top_p_threshold_sorted(z, t))
