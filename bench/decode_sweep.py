@@ -108,7 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (with --dummy)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument(
-        "--pdl", action="store_true", help="EngineConfig.pdl: programmatic dependent launch (sm_90+)"
+        "--no-pdl", action="store_true", help="EngineConfig.pdl off (programmatic dependent launch, sm_90+)"
+    )
+    p.add_argument(
+        "--cublas",
+        action="store_true",
+        help="the bf16 projections through F.linear at batch 1 too (not the GEMV)",
     )
     p.add_argument(
         "--kv-tokens", type=int, default=None, help="KV pool size (default: what the batches need)"
@@ -136,6 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth() * max(args.tp, args.ep) if DEVICE == "cuda" else None  # (summed over the GPUs)
     t = time.perf_counter()
+    if args.cublas:  # (layers.py looks `linear` up at each call; worker processes would not see this)
+        import minakv.model.layers
+
+        minakv.model.layers.linear = torch.nn.functional.linear
     top = max(args.batches)
     longest = args.n2 + math.ceil(top * args.prompt / args.max_num_batched_tokens) + 8
     options = {
@@ -144,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_num_seqs": max(64, top),
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_cache": False,
-        "pdl": args.pdl,
+        "pdl": not args.no_pdl,
     }
     world = max(args.tp, args.ep)
     if world > 1:

@@ -24,6 +24,7 @@
 #   fp8       issue 12: MiniMax-M2 FP8 projections and MoE (GEMV, x-in-asm, tensor cores), 8 layers  ~60 s
 #   gemvs     issue 12: the one-token GEMVs' strip shapes: FP8 (MiniMax-M2), bf16 (gpt-oss q/k/v, o) vs cuBLAS ~200 s
 #   pdl       issue 12: gpt-oss-120b (dummy) and 20b decode at batch 1 and 64, without then with EngineConfig.pdl ~300 s
+#   cublas    issue 12: gpt-oss-20b and 120b (dummy) at batch 1, the bf16 projections' GEMV then cuBLAS   ~200 s
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
@@ -67,8 +68,13 @@ for step in $STEPS; do
         gemvs) timeout 230 python3 bench/gemv_sweep.py --budget-s 180 ;;
         pdl) for model in gpt-oss-20b gpt-oss-120b; do for pdl in off on; do  # four row files, named here
                 timeout 150 python3 bench/decode_sweep.py --dummy $model --batches 1,64 --prompt 400 --repeats 1 \
-                    --kv-tokens 60000 $([ $pdl = on ] && echo --pdl)
+                    --kv-tokens 60000 $([ $pdl = off ] && echo --no-pdl)
                 mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_${model}_pdl_$pdl.json"
+            done; done ;;
+        cublas) for model in gpt-oss-20b gpt-oss-120b; do for proj in gemv cublas; do  # four row files
+                timeout 150 python3 bench/decode_sweep.py --dummy $model --batches 1 --prompt 400 --repeats 2 \
+                    --kv-tokens 60000 $([ $proj = cublas ] && echo --cublas)
+                mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_${model}_$proj.json"
             done; done ;;
         sort) timeout 120 python3 bench/moe_variants.py --tokens 64,256,512,1024 --only none --budget 0 \
             --out "$OUT/moe_sort.json" ;;
