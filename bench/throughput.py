@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             profiled = asyncio.run(run(engine, probe, args.busy_output, args.busy_window, args.sample_host,
                                        detokenize, args.kernels))  # fmt: skip
             row["gpu_busy_decode_window"] = profiled["gpu_busy_decode_window"]
-        row.update(path=path, detokenize=not args.no_detokenize, switch_interval=sys.getswitchinterval(), requests=args.requests, input=args.input, output=args.output,
+        row.update(path=path, detokenize=not args.no_detokenize, switch_interval=sys.getswitchinterval(), pdl=engine.config.pdl, requests=args.requests, input=args.input, output=args.output,
                    output_tok_s=row["output_tokens"] / row["wall_s"],
                    total_tok_s=(row["output_tokens"] + args.requests * args.input) / row["wall_s"])  # fmt: skip
         log.add("throughput", **row)
