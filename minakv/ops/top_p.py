@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minakv.ops.triton_util import num_sms
+from minakv.ops.triton_util import check, num_sms
 
 MASS_BITS = tl.constexpr(
     40
@@ -197,6 +197,7 @@ def top_p_threshold_triton(
     `num_warps` (of the one-program form) are knobs for bench/bench_sampler.py. The answer does not depend on
     any of them."""
     rows, vocab = z.shape
+    check(vocab < 2 ** (63 - MASS_BITS.value), f"a vocabulary of {vocab} would overflow the int64 masses")
     z, thr, top_p = z.contiguous(), thr.contiguous(), top_p.contiguous()
     out = torch.empty(rows, device=z.device, dtype=torch.float32)
     splits = splits or splits_for(rows, vocab, z.device)
