@@ -38,7 +38,7 @@ def phase_log(engine) -> Iterator[list[tuple[str, float, float]]]:
     phases: list[tuple[str, float, float]] = []
     targets = [
         (engine.scheduler, "schedule"), (engine.worker, "launch"), (engine.scheduler, "prepare"),
-        (engine.worker, "collect"), (engine.scheduler, "update"), (engine, "_deliver"), (engine, "_drain"),
+        (engine.worker, "collect"), (engine.scheduler, "update"), (engine.mailbox, "deliver"), (engine, "_drain"),
     ]  # fmt: skip
 
     def wrap(name: str, fn):

@@ -6,8 +6,9 @@
 One step is `scheduler.schedule()` -> `worker.launch(batch)` -> `scheduler.update(...)` of the step before,
 so the host prepares step N + 1 while the device runs step N (`overlap=False`: of the same step).
 `generate` drives steps synchronously. `stream` (async) hands requests to a background thread that
-steps the scheduler whenever there is work, and delivers increments back to the event loop. Requests enter
-the scheduler through an inbox, so the scheduler itself is only ever touched by one thread at a time.
+steps the scheduler whenever there is work, and delivers increments back to the event loop. Requests and
+aborts reach that thread through its mailbox (minakv/mailbox.py), so the scheduler itself is only ever
+touched by one thread at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Self
 from minakv.cache.validate import CacheOpError
 from minakv.config import EngineConfig
 from minakv.gc_pauses import collect_when_due, quiet_gc
+from minakv.mailbox import Mailbox, Overloaded
 from minakv.model import CausalLM
 from minakv.outputs import RequestOutput
 from minakv.params import SamplingParams
@@ -40,10 +42,6 @@ logger = logging.getLogger(__name__)
 
 
 __all__ = ["CacheOpError", "Engine", "Overloaded", "Unavailable", "WorkerDied"]
-
-
-class Overloaded(RuntimeError):
-    """The waiting queue is full; try again later (the server answers 503)."""
 
 
 Prompt = str | list[int] | dict[str, Any]
@@ -71,15 +69,10 @@ class Engine:
             self.max_model_len,
             on_allocate=started.on_allocate,
         )
-        self._inbox: list[Request] = []
-        self._aborts: list[str] = []
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()  # guards the inbox, aborts and stream table
+        self.mailbox = Mailbox()  # new requests, aborts and stream outputs between callers and the thread
         self._step_lock = threading.Lock()  # held while the scheduler changes: stats() sees a whole step
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._inflight: tuple[ForwardBatch, Launched] | None = None  # the step the device is running
-        self._closing = False  # shutdown() began: no new requests
         self._stopped = False  # the background loop must exit
 
     # ----- synchronous use -----
@@ -95,7 +88,7 @@ class Engine:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
-        if self._closing:
+        if self.mailbox.closing:
             raise Overloaded("the engine is shutting down")
         requests = [self._make(p, sp) for p, sp in zip(prompts, params_list)]
         if self._thread is not None:  # the background loop owns the scheduler: go through it
@@ -149,15 +142,8 @@ class Engine:
 
     async def _stream_request(self, request: Request) -> AsyncIterator[RequestOutput]:
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if self._closing:
-                raise Overloaded("the engine is shutting down")
-            if len(self._inbox) + self.scheduler.num_waiting >= self.config.max_queued_requests:
-                raise Overloaded(f"{self.config.max_queued_requests} requests are already waiting")
-            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
-            self._inbox.append(request)
+        self.mailbox.submit(request, queue, self.scheduler.num_waiting, self.config.max_queued_requests)
         self._ensure_thread()
-        self._wake.set()
         try:
             while True:
                 out: RequestOutput = await queue.get()
@@ -165,43 +151,33 @@ class Engine:
                 if out.finish_reason is not None:
                     return
         finally:  # the consumer went away (client disconnected) or we finished: stop the request
-            with self._lock:
-                if self._streams.pop(request.request_id, None) is not None and request.finish_reason is None:
-                    self._aborts.append(request.request_id)
-            self._wake.set()
+            self.mailbox.close_stream(request)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._aborts.append(request_id)
+        self.mailbox.abort(request_id)
         if self._thread is None:  # no background loop: apply it now
             self._drain()
-        self._wake.set()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop taking requests (submitting raises `Overloaded`), let those in flight finish for up to
         `timeout` seconds, end the rest (reason "error", saying the engine shut down; streams get that final
         output) and stop the background thread. Idempotent; the engine is not usable afterwards."""
-        with self._lock:
-            self._closing = True
+        self.mailbox.close()
         deadline = time.monotonic() + timeout
         while self._thread is not None and time.monotonic() < deadline:
-            with self._lock:
-                busy = bool(self._inbox) or self.scheduler.has_work()
-            if not busy:
+            if not (self.mailbox.has_inbox() or self.scheduler.has_work()):
                 break
             time.sleep(0.02)
         self._stopped = True
-        self._wake.set()
+        self.mailbox.wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._step_lock:
             self._inflight = None
-            with self._lock:
-                inbox, self._inbox = self._inbox, []
-            for r in inbox:
+            for r in self.mailbox.take()[0]:
                 self.scheduler.add(r)
             ended = self.scheduler.fail_all("the engine shut down") if self.scheduler.has_work() else []
-        self._deliver(ended)
+        self.mailbox.deliver(ended)
         if isinstance(self.worker, (WorkerProcess, DisaggWorkers)):
             self.worker.close()
 
@@ -267,9 +243,7 @@ class Engine:
 
     def _drain(self) -> list[Request]:
         """Move new requests and aborts into the scheduler; returns the requests aborted."""
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
+        inbox, aborts = self.mailbox.take()
         with self._step_lock:
             for r in inbox:
                 self.scheduler.add(r)
@@ -285,7 +259,7 @@ class Engine:
                 except WorkerDied as exc:  # tell its requests at once; restarting takes seconds
                     with self._step_lock:
                         changed += self._lose_worker(exc)
-                    self._deliver(changed)
+                    self.mailbox.deliver(changed)
                     self._restart_worker()
                     continue
                 except Exception as exc:
@@ -295,16 +269,16 @@ class Engine:
                         changed += self.scheduler.quarantine(f"internal error: {exc!r}")
             elif not changed:
                 collect_when_due(idle=True)
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-            self._deliver(changed)
+                self.mailbox.wake.wait(timeout=0.5)
+                self.mailbox.wake.clear()
+            self.mailbox.deliver(changed)
             collect_when_due(idle=False)
 
     def _lose_worker(self, exc: WorkerDied) -> list[Request]:
         """The worker process died, and every KV page with it: end every request the scheduler holds
         (reason "error"; their pages of the lost steps publish nothing) and forget every cached page, so the
         accounting stays exact and nothing reads KV that is gone. Returns the ended requests."""
-        action = "shutting down" if self._closing else self.worker.restart_note
+        action = "shutting down" if self.mailbox.closing else self.worker.restart_note
         logger.error(
             "%s: ending %d requests, clearing the KV cache, %s", exc, len(self.scheduler.running), action
         )
@@ -315,7 +289,7 @@ class Engine:
 
     def _restart_worker(self) -> None:
         """Start a fresh worker process after `_lose_worker`; if that fails, refuse new requests."""
-        if self._closing:
+        if self.mailbox.closing:
             return
         try:  # (not under the step lock: stats() must answer meanwhile; only this thread uses the worker)
             self.worker.restart()
@@ -324,33 +298,7 @@ class Engine:
             )
         except Exception:
             logger.exception("the worker processes could not be restarted: the engine takes no new requests")
-            with self._lock:
-                self._closing = True
-
-    def _deliver(self, changed: list[Request]) -> None:
-        """Hand each changed request's news to its stream, on the stream's own event loop: one callback per
-        loop per step, whatever the batch (a callback per stream would wake the loop through its self-pipe
-        hundreds of times a step, and the loop's thread would hold the GIL the engine thread needs)."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        with self._lock:
-            targets = [(r, self._streams.get(r.request_id)) for r in changed]
-        for r, target in targets:
-            if target is None:
-                continue
-            loop, queue = target
-            out = r.output(incremental=True)
-            if out.token_ids or out.text or out.finish_reason is not None:
-                batches.setdefault(loop, []).append((queue, out))
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed: its callers are gone
-                pass
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+            self.mailbox.close()
 
 
 def _progress(total: int):

@@ -58,4 +58,4 @@ def test_shutdown_lets_short_requests_finish(model) -> None:
 def test_engine_as_a_context_manager(model) -> None:
     with Engine(model, page_size=4, kv_cache_tokens=512) as engine:
         out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 3 and engine._closing
+    assert len(out.token_ids) == 3 and engine.mailbox.closing

@@ -222,3 +222,14 @@ def test_kernels_on_the_gpu():
     fused, ref = sample(logits, t).cpu(), sample(logits.cpu(), cpu_t)
     assert (fused == ref).float().mean() >= 0.98
     assert torch.equal(fused[3::4], logits[3::4].argmax(-1).cpu())  # temperature 0: the argmax
+
+
+def test_top_k_past_int64_keeps_every_token():
+    """A top_k beyond int64 (found by the server fuzz test: it failed the engine step) means no limit: the
+    same tokens as top_k = -1, for the same seeds."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 64, generator=gen) * 2
+    huge = [SamplingParams(temperature=1.0, top_k=4968939453530955130601472) for _ in range(3)]
+    none = [SamplingParams(temperature=1.0) for _ in range(3)]
+    t_huge, t_none = (SamplingTensors.build(ps, [7, 8, 9], [0, 1, 2], "cpu") for ps in (huge, none))
+    assert torch.equal(sample(logits, t_huge), sample(logits, t_none))

@@ -15,6 +15,7 @@ from minakv.params import SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this a row is greedy: z = logits / T would only round the argmax differently
 MASK32 = 0xFFFFFFFF
+TOP_K_MAX = 2**31 - 1  # a top_k past any vocabulary keeps every token: larger ones are cut to this
 # Multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 products never overflow.
 MIX1, MIX2, GOLDEN = 0x7FEB352D, 0x5BD1E995, 0x3C6EF372
 
@@ -75,7 +76,7 @@ class SamplingTensors:
         )
         ints = torch.tensor(
             [
-                [p.top_k for p in params],
+                [min(p.top_k, TOP_K_MAX) for p in params],  # (int64: past the vocabulary means all)
                 greedy,
                 [s & MASK32 for s in seeds],
                 [(s >> 32) & MASK32 for s in seeds],
