@@ -266,7 +266,11 @@ class Engine:
                     logger.exception("engine step failed; its requests are retried one by one")
                     with self._step_lock:
                         self._inflight = None  # its tokens are lost; the requests sample them again
-                        changed += self.scheduler.quarantine(f"internal error: {exc!r}")
+                        try:
+                            changed += self.scheduler.quarantine(f"internal error: {exc!r}")
+                        except Exception:  # the thread must live on: its streams wait for it
+                            logger.exception("quarantine failed; ending every request")
+                            changed += self.scheduler.fail_all(f"internal error: {exc!r}", publish=False)
             elif not changed:
                 collect_when_due(idle=True)
                 self.mailbox.wake.wait(timeout=0.5)

@@ -218,3 +218,26 @@ def test_the_limit_is_on_positions_not_on_the_raw_history() -> None:
     ):  # the same history without operations: 400 positions
         engine.generate([{"message_tokens": parts}])
     engine.check()
+
+
+def test_identical_requests_finish_apart(engine):
+    """Eight streams of one prompt and one setting (the server's n = 8): the one submitted second ends first
+    (aborted). Requests compared field by field once (numpy arrays among the fields), so removing it from the
+    running list raised, the quarantine raised again, the engine thread died and every stream hung."""
+    params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
+
+    async def run() -> list[str | None]:
+        streams = [engine.stream([5, 6, 7], params, request_id=f"same-{i}") for i in range(8)]
+        firsts = [await s.__anext__() for s in streams]
+        engine.abort("same-1")
+
+        async def rest(s, out):
+            while out.finish_reason is None:
+                out = await s.__anext__()
+            return out.finish_reason
+
+        return await asyncio.wait_for(asyncio.gather(*(rest(s, f) for s, f in zip(streams, firsts))), 60)
+
+    reasons = asyncio.run(run())
+    assert reasons[1] == "abort" and reasons.count("length") == 7, reasons
+    engine.check()

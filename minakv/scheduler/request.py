@@ -48,8 +48,8 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class Request:
+@dataclass(eq=False)  # identity: two requests with the same prompt and settings are still two (and the
+class Request:  # field-wise == would compare numpy arrays, which raises: `running.remove(r)` did)
     prompt_ids: list[int]
     params: SamplingParams
     program: Program
