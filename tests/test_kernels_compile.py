@@ -272,6 +272,7 @@ def _mxfp4_mma() -> None:
     moe_mxfp4_mma(*_mxfp4_layer(1))
     moe_mxfp4_mma(*_mxfp4_layer(1, hidden=96, inter=160), sum_k=False, unroll=8)  # 3 and 5 groups: tails
     moe_mxfp4_mma(*_mxfp4_layer(1), sum_k=False, splits=(2, 3))  # split-K: partials, the pair-order finish
+    moe_mxfp4_mma(*_mxfp4_layer(1), prefetch=False)  # without the L2 bulk prefetch
 
 
 @case("mxfp4_mma_grouped")
