@@ -282,6 +282,7 @@ def _mxfp4_mma_grouped() -> None:
 
     moe_mxfp4_mma_grouped(*_mxfp4_layer(16), sum_k=False)
     moe_mxfp4_mma_grouped(*_mxfp4_layer(16, hidden=96, inter=160), sum_k=False, mr=2, nt=1, unroll=4)
+    moe_mxfp4_mma_grouped(*_mxfp4_layer(16), sum_k=False, prefetch=False)  # without the L2 bulk prefetch
     moe_mxfp4_mma_grouped(
         *_mxfp4_layer(16), sum_k=False, mr=2, nt=4, unroll=2, fold=True
     )  # scales in the MMA's A
