@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-prefetch",
         action="store_true",
-        help="the one-token MXFP4 GEMV without its L2 bulk prefetch (mxfp4_mma.PREFETCH off)",
+        help="the decode GEMVs without their L2 bulk prefetch (triton_util.PREFETCH_L2 off)",
     )
     p.add_argument(
         "--kv-tokens", type=int, default=None, help="KV pool size (default: what the batches need)"
@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth() * max(args.tp, args.ep) if DEVICE == "cuda" else None  # (summed over the GPUs)
     t = time.perf_counter()
     if args.no_prefetch:  # (read at each call; worker processes would not see this)
-        import minakv.ops.mxfp4_mma
+        import minakv.ops.triton_util
 
-        minakv.ops.mxfp4_mma.PREFETCH = False
+        minakv.ops.triton_util.PREFETCH_L2 = False
     if args.cublas:  # (layers.py looks `linear` up at each call; worker processes would not see this)
         import minakv.model.layers
 

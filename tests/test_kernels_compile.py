@@ -380,11 +380,13 @@ def _pdl() -> None:
         weight, scale_inv = quantize_fp8_block(torch.randn(384, 1024))
         for asm in (False, True):
             linear_fp8_gemv(torch.randn(1, 1024).to(BF16), weight, scale_inv, x_in_asm=asm)
+            linear_fp8_gemv(torch.randn(1, 1024).to(BF16), weight, scale_inv, x_in_asm=asm, prefetch=True)
         w = {}
         w["gate_up"], w["gate_up_scale_inv"] = quantize_experts(torch.randn(32, 512, 384), halves=True)
         w["down"], w["down_scale_inv"] = quantize_experts(torch.randn(32, 384, 256))
         weights, ids = _routing(1, 32, 8)
         moe_fp8_gemv(torch.randn(1, 384).to(BF16), w, weights, ids)
+        moe_fp8_gemv(torch.randn(1, 384).to(BF16), w, weights, ids, prefetch=True)
         _bf16_gemv()
     finally:
         triton_util.PDL = False
@@ -396,7 +398,13 @@ def _bf16_gemv() -> None:
     from minakv.ops.bf16_gemv import linear_gemv
 
     for out, inp in ((5120, 2880), (2880, 4096)):
-        linear_gemv(torch.randn(1, inp).to(BF16), torch.randn(out, inp).to(BF16), torch.randn(out).to(BF16))
+        for prefetch in (False, True):  # (the L2 bulk prefetch: the GPU's default, sm_90)
+            x, weight, b = (
+                torch.randn(1, inp).to(BF16),
+                torch.randn(out, inp).to(BF16),
+                torch.randn(out).to(BF16),
+            )
+            linear_gemv(x, weight, b, prefetch=prefetch)
 
 
 @case("sampling")

@@ -32,11 +32,10 @@ import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.mxfp4_order import pair_order, pair_position
-from minakv.ops.triton_util import pdl_options
+from minakv.ops.triton_util import pdl_options, prefetch_ok
 
 WARPS = tl.constexpr(4)  # per program: they split the groups of the same 16 rows, then add their sums
 ROWS = 16  # weight rows per program
-PREFETCH = True  # the warps' rows asked of L2 first (`_PREFETCH`); read at each call, so a bench can A/B it
 
 # `unroll`, groups a lane loads before it uses any (10 bytes of weights and scales each): 4 (63 registers,
 # 8 programs a SM) or 8 (96-102 registers, 5 a SM; slower on the H200, RESULTS.md)
@@ -60,8 +59,8 @@ add.u32 sa{j}, sa{j}, 6; shl.b32 sa{j}, sa{j}, 23; mov.b32 fa, sa{j}; add.u32 sb
 mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e2, c2, fb, e2;
 """
 
-# Every row's share of the warp's groups asked of L2 at once (sm_90 bulk prefetch: no registers held): a
-# warp's own loads keep only `unroll` groups in flight, so a short chain of steps paid DRAM latency each step.
+# Every row's share of the warp's groups asked of L2 at once (triton_util.PREFETCH_L2): a warp's own loads
+# keep only `unroll` groups in flight, so its short chain of steps paid DRAM latency at each step.
 _PREFETCH = """{
 .reg .pred qp; .reg .b32 pb;
 sub.s32 pb, hi, n; shl.b32 pb, pb, 4; setp.gt.s32 qp, pb, 0; setp.eq.and.u32 qp, t, 0, qp;
@@ -319,7 +318,7 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     hidden = x.shape[1]
     gub, gus, db, ds = (w[key] for key in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"))
     inter = gub.shape[1] // 2
-    prefetch = PREFETCH if prefetch is None else prefetch
+    prefetch = prefetch_ok(x.device) if prefetch is None else prefetch
     ids = topk_ids.reshape(-1).contiguous()
     dummy = ids
     x16 = pair_order(x)

@@ -31,6 +31,7 @@ import triton.language as tl
 from minakv.ops.moe_groups import ACTIVATIONS, group_by_expert, k_parts, tile_start
 from minakv.ops.mxfp4_mma import _DECODE, WARPS, activate_store
 from minakv.ops.mxfp4_order import pair_order
+from minakv.ops.triton_util import prefetch_ok
 
 FRAGMENT = ("a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3")  # A fragments: rows g, g + 8, g, g + 8 each
 FOLD_RANGE = (107, 136)  # scale bytes whose 2^(s - 121) is a normal fp16 and FP4 x 2^(s - 127) exact in fp16
@@ -227,10 +228,8 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     only). nt: pair tiles of 8 a warp; mr: row tiles of 16 a warp (gate/up: half gate, half up; fewer when
     the weights have fewer rows); unroll: groups a lane loads before it uses any; fold: the scales folded
     into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`); prefetch: the warps' rows asked of L2 first
-    (default mxfp4_mma.PREFETCH)."""
-    from minakv.ops import mxfp4_mma  # (the module, so a bench's change of PREFETCH is seen)
-
-    prefetch = mxfp4_mma.PREFETCH if prefetch is None else prefetch
+    (default: triton_util.prefetch_ok)."""
+    prefetch = prefetch_ok(x.device) if prefetch is None else prefetch
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     hidden = x.shape[1]
