@@ -225,12 +225,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="also time a decode step of N layers")
     p.add_argument("--sweep", action="store_true", help="also time other tile configs")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, Triton interpreted")
-    p.add_argument("--no-prefetch", action="store_true", help="the GEMVs without the L2 bulk prefetch")
     args = p.parse_args()
-    if args.no_prefetch:
-        from minakv.ops import triton_util
-
-        triton_util.PREFETCH_L2 = False
     log = Log()
     if args.tiny:
         from minakv.ops import triton_util

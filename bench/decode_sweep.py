@@ -116,11 +116,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the bf16 projections through F.linear at batch 1 too (not the GEMV)",
     )
     p.add_argument(
-        "--no-prefetch",
-        action="store_true",
-        help="the decode GEMVs without their L2 bulk prefetch (triton_util.PREFETCH_L2 off)",
-    )
-    p.add_argument(
         "--kv-tokens", type=int, default=None, help="KV pool size (default: what the batches need)"
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -146,10 +141,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth() * max(args.tp, args.ep) if DEVICE == "cuda" else None  # (summed over the GPUs)
     t = time.perf_counter()
-    if args.no_prefetch:  # (read at each call; worker processes would not see this)
-        import minakv.ops.triton_util
-
-        minakv.ops.triton_util.PREFETCH_L2 = False
     if args.cublas:  # (layers.py looks `linear` up at each call; worker processes would not see this)
         import minakv.model.layers
 

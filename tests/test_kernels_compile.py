@@ -272,7 +272,6 @@ def _mxfp4_mma() -> None:
     moe_mxfp4_mma(*_mxfp4_layer(1))
     moe_mxfp4_mma(*_mxfp4_layer(1, hidden=96, inter=160), sum_k=False, unroll=8)  # 3 and 5 groups: tails
     moe_mxfp4_mma(*_mxfp4_layer(1), sum_k=False, splits=(2, 3))  # split-K: partials, the pair-order finish
-    moe_mxfp4_mma(*_mxfp4_layer(1), prefetch=False)  # without the L2 bulk prefetch
 
 
 @case("mxfp4_mma_grouped")
@@ -282,7 +281,6 @@ def _mxfp4_mma_grouped() -> None:
 
     moe_mxfp4_mma_grouped(*_mxfp4_layer(16), sum_k=False)
     moe_mxfp4_mma_grouped(*_mxfp4_layer(16, hidden=96, inter=160), sum_k=False, mr=2, nt=1, unroll=4)
-    moe_mxfp4_mma_grouped(*_mxfp4_layer(16), sum_k=False, prefetch=False)  # without the L2 bulk prefetch
     moe_mxfp4_mma_grouped(
         *_mxfp4_layer(16), sum_k=False, mr=2, nt=4, unroll=2, fold=True
     )  # scales in the MMA's A
@@ -380,13 +378,11 @@ def _pdl() -> None:
         weight, scale_inv = quantize_fp8_block(torch.randn(384, 1024))
         for asm in (False, True):
             linear_fp8_gemv(torch.randn(1, 1024).to(BF16), weight, scale_inv, x_in_asm=asm)
-            linear_fp8_gemv(torch.randn(1, 1024).to(BF16), weight, scale_inv, x_in_asm=asm, prefetch=True)
         w = {}
         w["gate_up"], w["gate_up_scale_inv"] = quantize_experts(torch.randn(32, 512, 384), halves=True)
         w["down"], w["down_scale_inv"] = quantize_experts(torch.randn(32, 384, 256))
         weights, ids = _routing(1, 32, 8)
         moe_fp8_gemv(torch.randn(1, 384).to(BF16), w, weights, ids)
-        moe_fp8_gemv(torch.randn(1, 384).to(BF16), w, weights, ids, prefetch=True)
         _bf16_gemv()
     finally:
         triton_util.PDL = False
@@ -398,13 +394,7 @@ def _bf16_gemv() -> None:
     from minakv.ops.bf16_gemv import linear_gemv
 
     for out, inp in ((5120, 2880), (2880, 4096)):
-        for prefetch in (False, True):  # (the L2 bulk prefetch: the GPU's default, sm_90)
-            x, weight, b = (
-                torch.randn(1, inp).to(BF16),
-                torch.randn(out, inp).to(BF16),
-                torch.randn(out).to(BF16),
-            )
-            linear_gemv(x, weight, b, prefetch=prefetch)
+        linear_gemv(torch.randn(1, inp).to(BF16), torch.randn(out, inp).to(BF16), torch.randn(out).to(BF16))
 
 
 @case("sampling")

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.fp8_gemv import strip
-from minakv.ops.triton_util import check, num_sms, pdl_options, prefetch_ok, prefetch_rows
+from minakv.ops.triton_util import check, num_sms, pdl_options
 
 WIDEST = 4  # rows per strip at most (see the module docstring)
 
@@ -40,11 +40,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                block_n: int | None = None, groups: int | None = None, num_warps: int = 4,
-                prefetch: bool | None = None) -> torch.Tensor:  # fmt: skip
+                block_n: int | None = None, groups: int | None = None, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """x [..., in] @ W^T (+ bias) -> [..., out] in x's dtype, a program per (row of x, strip of W): meant for
-    one row. block_n, groups (vectors of 8 inputs per row per step) and num_warps are for benchmarks; prefetch:
-    the strips' rows asked of L2 first (default triton_util.prefetch_ok)."""
+    one row. block_n, groups (vectors of 8 inputs per row per step) and num_warps are for benchmarks."""
     out_features, in_features = weight.shape
     check(
         x.shape[-1] == in_features and in_features % 8 == 0, f"x is {tuple(x.shape)}, weight {weight.shape}"
@@ -56,13 +54,10 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     auto_n, auto_g = strip(rows, out_features, num_sms(x.device), WIDEST)
     block_n, groups = block_n or auto_n, groups or auto_g
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    # the strip's rows asked of L2 first (triton_util.PREFETCH_L2): whole rows, 16-byte aligned
-    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) % 8 == 0
-    prefetch = (prefetch_ok(x.device) if prefetch is None else prefetch) and aligned
     _linear_gemv_kernel[(rows, triton.cdiv(out_features, block_n))](
         x, weight, bias if bias is not None else weight, y, out_features, in_features, x.stride(0),
         weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, GROUPS=groups,
-        PREFETCH=prefetch, THREADS=32 * num_warps, num_warps=num_warps, **pdl_options(),
+        num_warps=num_warps, **pdl_options(),
     )  # fmt: skip
     return y.view(*lead, out_features)
 
@@ -86,14 +81,9 @@ def _load_x(x_row, v0, K, GROUPS: tl.constexpr):
 @triton.jit
 def _linear_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_x, stride_wn, stride_y,
                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                        PREFETCH: tl.constexpr, THREADS: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
+                        USE_GDC: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    row0 = tl.program_id(1) * BLOCK_N
-    if PREFETCH:
-        prefetch_rows(
-            w_ptr + row0.to(tl.int64) * stride_wn, stride_wn, tl.minimum(BLOCK_N, N - row0), 2 * K, THREADS
-        )
-    offs_n = row0 + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + row * stride_x

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from minakv.ops.fp8_tile import check_fp8_weight, expert_shapes
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
-from minakv.ops.triton_util import check, num_sms, pdl_options, prefetch_ok, prefetch_rows, ptx_loads_ok
+from minakv.ops.triton_util import check, num_sms, pdl_options, ptx_loads_ok
 
 THREADS = 128  # 4 warps
 VECTORS_PER_THREAD = 2  # 16-byte vectors a thread loads per step (`strip`)
@@ -71,11 +71,10 @@ def strip(programs_per_row_block: int, out: int, sms: int, widest: int = 16) -> 
 
 
 def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = None, groups: int | None = None,
-                    x_in_asm: bool = False, num_warps: int = 4, prefetch: bool | None = None) -> torch.Tensor:  # fmt: skip
+                    x_in_asm: bool = False, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """x [..., in] @ W^T (+ bias) -> [..., out] in x's dtype (linear_fp8's arguments), for few rows of x.
     x_in_asm: one PTX block loads and dots each vector (bf16 x on the GPU; no prefetch), for benchmarks: at
-    two vectors a thread the prefetching form was as fast or faster (bench/gemv_sweep.py). prefetch: the
-    strips' rows asked of L2 first (default triton_util.prefetch_ok)."""
+    two vectors a thread the prefetching form was as fast or faster (bench/gemv_sweep.py)."""
     check_fp8_weight(weight, scale_inv)
     out_features, in_features = weight.shape
     check(
@@ -91,26 +90,18 @@ def linear_fp8_gemv(x, weight, scale_inv, bias=None, *, block_n: int | None = No
     _linear_gemv[(rows, triton.cdiv(out_features, block_n))](
         x, weight, scale_inv, bias if bias is not None else scale_inv, y, out_features, in_features,
         x.stride(0), weight.stride(0), scale_inv.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, GROUPS=groups, X_IN_ASM=ptx_loads_ok(x_in_asm, x), PREFETCH=_prefetch(prefetch, x, weight),
-        THREADS=32 * num_warps, num_warps=num_warps, **pdl_options(),
+        BLOCK_N=block_n, GROUPS=groups, X_IN_ASM=ptx_loads_ok(x_in_asm, x), num_warps=num_warps,
+        **pdl_options(),
     )  # fmt: skip
     return y.view(*lead, out_features)
 
 
-def _prefetch(asked: bool | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether to ask L2 for the strips' whole rows (rows of K bytes, 16-byte aligned: check_fp8_weight's
-    block grid makes K a multiple of 128)."""
-    aligned = weight.data_ptr() % 16 == 0 and weight.stride(-2) % 16 == 0
-    return (prefetch_ok(x.device) if asked is None else asked) and aligned
-
-
 def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                  limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int | None = None,
-                 groups: int | None = None, x_in_asm: bool = False, num_warps: int = 4,
-                 prefetch: bool | None = None) -> torch.Tensor:  # fmt: skip
+                 groups: int | None = None, x_in_asm: bool = False, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """moe_fp8's function for few pairs -> [T, H] in x's dtype (sum_k=False: the k parts [T, k, H] fp32).
     block_n, groups (vectors per row per step; `strip` picks both) and num_warps are for benchmarks and
-    tests; prefetch as linear_fp8_gemv's."""
+    tests."""
     _, hidden, inter = expert_shapes(x, w, topk_ids, activation)
     check(hidden % 16 == 0 and inter % 16 == 0, f"hidden {hidden} and intermediate {inter}: multiples of 16")
     num_tokens, k = topk_ids.shape
@@ -130,8 +121,7 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
         hidden, inter, gus.shape[1] // 2, k, float(limit), float(alpha), x.stride(0), gu.stride(0), gu.stride(1),
         gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0, h.stride(0),
         HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation], BLOCK_N=n1, GROUPS=g1,
-        X_IN_ASM=asm, PREFETCH=_prefetch(prefetch, x, gu), THREADS=32 * num_warps, num_warps=num_warps,
-        **pdl_options(),
+        X_IN_ASM=asm, num_warps=num_warps, **pdl_options(),
     )  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -139,8 +129,7 @@ def moe_fp8_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
-        BLOCK_N=n2, GROUPS=g2, X_IN_ASM=asm, PREFETCH=_prefetch(prefetch, x, db), THREADS=32 * num_warps,
-        num_warps=num_warps, **pdl_options(),
+        BLOCK_N=n2, GROUPS=g2, X_IN_ASM=asm, num_warps=num_warps, **pdl_options(),
     )  # fmt: skip
     return k_parts(y, num_tokens, k, x.dtype, sum_k)
 
@@ -205,13 +194,6 @@ def _gemv(
 
 
 @triton.jit
-def _prefetch_strip(w_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, THREADS: tl.constexpr):
-    """Ask L2 for this program's rows (program_id(1)'s strip) of K fp8 weights each."""
-    row0 = tl.program_id(1) * BLOCK_N
-    prefetch_rows(w_ptr + row0.to(tl.int64) * stride_wn, stride_wn, tl.minimum(BLOCK_N, N - row0), K, THREADS)
-
-
-@triton.jit
 def _strip(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
     """This program's output rows (program_id(1)): offsets, which are < N, weight row and scale row pointers."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -222,11 +204,8 @@ def _strip(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
 @triton.jit
 def _linear_gemv(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_x, stride_wn, stride_sn, stride_y,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                 X_IN_ASM: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
-                 USE_GDC: tl.constexpr):  # fmt: skip
+                 X_IN_ASM: tl.constexpr, USE_GDC: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    if PREFETCH:  # (before the wait: no kernel writes weights)
-        _prefetch_strip(w_ptr, N, K, stride_wn, BLOCK_N, THREADS)
     offs_n, n_ok, w_rows, s_rows = _strip(w_ptr, s_ptr, N, stride_wn, stride_sn, BLOCK_N)
     out = _gemv(x_ptr + row * stride_x, w_rows, s_rows, n_ok, K, BLOCK_N, GROUPS, X_IN_ASM, GDC_WAIT=USE_GDC)
     if USE_GDC:  # every weight read: the next kernel may start (it waits for this one to finish)
@@ -241,16 +220,13 @@ def _gate_up_gemv(
     x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, H, I, UP_SCALE_ROW, TOPK, limit, alpha,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    X_IN_ASM: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr, USE_GDC: tl.constexpr,
+    X_IN_ASM: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if USE_GDC:  # (triton_util.PDL) the ids and x are the kernels' before
         tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     w_e, s_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-    if PREFETCH:  # the gate rows, then the up rows I below them
-        _prefetch_strip(w_e, I, H, stride_wn, BLOCK_N, THREADS)
-        _prefetch_strip(w_e + I * stride_wn, I, H, stride_wn, BLOCK_N, THREADS)
     offs_n, n_ok, gate_rows, gate_s = _strip(w_e, s_e, I, stride_wn, stride_sn, BLOCK_N)
     # up rows I + n, with their own scale grid from row UP_SCALE_ROW (fp8_tile's layout)
     up_rows, up_s = gate_rows + I * stride_wn, gate_s + UP_SCALE_ROW * stride_sn
@@ -272,14 +248,12 @@ def _down_gemv(
     h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H,
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, X_IN_ASM: tl.constexpr,
-    PREFETCH: tl.constexpr, THREADS: tl.constexpr, USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if USE_GDC:  # (triton_util.PDL) h is the kernel before's
         tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if PREFETCH:
-        _prefetch_strip(w_ptr + expert * stride_we, H, I, stride_wn, BLOCK_N, THREADS)
     offs_n, n_ok, w_rows, s_rows = _strip(w_ptr + expert * stride_we, s_ptr + expert * stride_se, H, stride_wn,
                                           stride_sn, BLOCK_N)  # fmt: skip
     out = _gemv(h_ptr + pair.to(tl.int64) * stride_h, w_rows, s_rows, n_ok, I, BLOCK_N, GROUPS, X_IN_ASM)

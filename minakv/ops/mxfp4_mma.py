@@ -32,7 +32,7 @@ import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.mxfp4_order import pair_order, pair_position
-from minakv.ops.triton_util import pdl_options, prefetch_ok
+from minakv.ops.triton_util import pdl_options
 
 WARPS = tl.constexpr(4)  # per program: they split the groups of the same 16 rows, then add their sums
 ROWS = 16  # weight rows per program
@@ -59,16 +59,6 @@ add.u32 sa{j}, sa{j}, 6; shl.b32 sa{j}, sa{j}, 23; mov.b32 fa, sa{j}; add.u32 sb
 mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e2, c2, fb, e2;
 """
 
-# Every row's share of the warp's groups asked of L2 at once (triton_util.PREFETCH_L2): a warp's own loads
-# keep only `unroll` groups in flight, so its short chain of steps paid DRAM latency at each step.
-_PREFETCH = """{
-.reg .pred qp; .reg .b32 pb;
-sub.s32 pb, hi, n; shl.b32 pb, pb, 4; setp.gt.s32 qp, pb, 0; setp.eq.and.u32 qp, t, 0, qp;
-@qp cp.async.bulk.prefetch.L2.global [wpa], pb;
-@qp cp.async.bulk.prefetch.L2.global [wpb], pb;
-}
-"""
-
 
 def _step(unroll: int, tail: bool) -> str:
     """One unrolled step of `unroll` groups: loads, then decode and MMAs (tail: each group predicated)."""
@@ -86,7 +76,7 @@ def _step(unroll: int, tail: bool) -> str:
     return out
 
 
-def _mma_rows_ptx(unroll: int, prefetch: bool = False) -> str:
+def _mma_rows_ptx(unroll: int) -> str:
     """The PTX of one lane's work, `unroll` groups a step. Operands: $0 the lane, $1 / $2 its warp's partial
     sums over the warp's share of the groups for rows g and g + 8 (g = lane / 4) of C column 2t (t = lane %
     4: the pair's column 0 is t = 0's); $3 first row's bytes, $4 its scales, $5 this lane's column's fp16
@@ -117,9 +107,7 @@ mul.wide.u32 o, la, $7; add.s64 spa, $4, o; mul.wide.u32 o, lb, $7; add.s64 spb,
 cvt.u64.u32 o, n; add.s64 spa, spa, o; add.s64 spb, spb, o;
 mul.wide.u32 o, t, 16; add.s64 xp, $5, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
 mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e2, 0f00000000;
-"""
-        + (_PREFETCH if prefetch else "")
-        + """LOOP${:uid}:
+LOOP${:uid}:
 """
         + f"""add.s32 n0, n, {unroll}; setp.gt.s32 qe, n0, hi;
 @qe bra.uni TAIL${{:uid}};
@@ -141,13 +129,11 @@ mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e2;
 
 MMA_ROWS_U4 = tl.constexpr(_mma_rows_ptx(4))
 MMA_ROWS_U8 = tl.constexpr(_mma_rows_ptx(8))
-MMA_ROWS_U4P = tl.constexpr(_mma_rows_ptx(4, prefetch=True))
-MMA_ROWS_U8P = tl.constexpr(_mma_rows_ptx(8, prefetch=True))
 
 
 @triton.jit
 def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
-              UNROLL: tl.constexpr, PREFETCH: tl.constexpr = False):  # fmt: skip
+              UNROLL: tl.constexpr):  # fmt: skip
     """The work of MMA_ROWS_U4/U8 for this program's warps -> (lane [32], [WARPS, 32] partial sums of rows
     g and g + 8, `_mma_rows_ptx`). w_rows / s_rows / x_rows: [32 * WARPS] pointers, one per thread (the
     first weight row, its scales, the thread's column's inputs); the warps form SETS row sets (the warps of
@@ -155,8 +141,7 @@ def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left
     zero = tl.arange(0, 32 * WARPS) * 0
     per_warp = tl.cdiv(g_hi - g_lo, WARPS // SETS)
     lane, s0, s1 = tl.inline_asm_elementwise(
-        (MMA_ROWS_U8P if PREFETCH else MMA_ROWS_U8) if UNROLL == 8 else (MMA_ROWS_U4P if PREFETCH else MMA_ROWS_U4),
-        "=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
+        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
         [w_rows.to(tl.int64), s_rows.to(tl.int64), x_rows.to(tl.int64), (zero + stride_bn).to(tl.int32),
          (zero + stride_sn).to(tl.int32), (zero + g_hi).to(tl.int32), (zero + rows_left).to(tl.int32),
          (zero + per_warp).to(tl.int32), (zero + WARPS // SETS).to(tl.int32), (zero + g_lo).to(tl.int32)],
@@ -216,7 +201,7 @@ def _gate_up_mma(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr, SPLITS: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if USE_GDC:  # (triton_util.PDL) the ids and x are the kernels' before
@@ -228,17 +213,7 @@ def _gate_up_mma(
     g_lo, g_hi = _groups(H // 32, G_SPLIT)
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
     lane, sum_a, sum_b = mma_rows(
-        w_rows,
-        s_rows,
-        x_row + zero,
-        stride_bn,
-        stride_sn,
-        g_lo,
-        g_hi,
-        I - row0,
-        SETS=2,
-        UNROLL=UNROLL,
-        PREFETCH=PREFETCH,
+        w_rows, s_rows, x_row + zero, stride_bn, stride_sn, g_lo, g_hi, I - row0, SETS=2, UNROLL=UNROLL
     )
     if USE_GDC:  # the weights are read: the next kernel may start (it waits for this one to finish)
         tl.extra.cuda.gdc_launch_dependents()
@@ -263,7 +238,7 @@ def _gate_up_mma(
 def _down_mma(
     h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y, HAS_BIAS: tl.constexpr,
-    UNROLL: tl.constexpr, SPLITS: tl.constexpr, PREFETCH: tl.constexpr, USE_GDC: tl.constexpr,
+    UNROLL: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if USE_GDC:  # (triton_util.PDL) h is the kernel before's
@@ -275,17 +250,7 @@ def _down_mma(
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     g_lo, g_hi = _groups(I // 32, G_SPLIT)
     lane, sum_a, sum_b = mma_rows(
-        w_rows,
-        s_rows,
-        h_row + zero,
-        stride_bn,
-        stride_sn,
-        g_lo,
-        g_hi,
-        H - row0,
-        SETS=1,
-        UNROLL=UNROLL,
-        PREFETCH=PREFETCH,
+        w_rows, s_rows, h_row + zero, stride_bn, stride_sn, g_lo, g_hi, H - row0, SETS=1, UNROLL=UNROLL
     )
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -306,7 +271,7 @@ def _down_mma(
 
 def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                   limit=7.0, alpha=1.702, *, sum_k: bool = True, unroll: int = 4,
-                  splits: tuple[int, int] = (1, 1), prefetch: bool | None = None) -> torch.Tensor:  # fmt: skip
+                  splits: tuple[int, int] = (1, 1)) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments) from the tensor-core GEMV above (CUDA only).
     unroll: groups a step (4 or 8). splits: programs along the input for gate/up and for down (split-K:
     more, shorter chains of loads); gate/up's partials are summed by mxfp4_gemv.finish_gate_up, down's
@@ -318,7 +283,6 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     hidden = x.shape[1]
     gub, gus, db, ds = (w[key] for key in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"))
     inter = gub.shape[1] // 2
-    prefetch = prefetch_ok(x.device) if prefetch is None else prefetch
     ids = topk_ids.reshape(-1).contiguous()
     dummy = ids
     x16 = pair_order(x)
@@ -334,7 +298,7 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         float(limit), float(alpha), triton.cdiv(hidden // 32, gu_splits), x16.stride(0), gub.stride(0),
         gub.stride(1), gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0,
         partial.stride(-2), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation],
-        num_warps=WARPS.value, UNROLL=unroll, SPLITS=gu_splits, PREFETCH=prefetch, **pdl_options(),
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=gu_splits, **pdl_options(),
     )  # fmt: skip
     if gu_splits > 1:
         finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, cols=2)
@@ -344,6 +308,6 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         triton.cdiv(inter // 32, d_splits), h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
-        num_warps=WARPS.value, UNROLL=unroll, SPLITS=d_splits, PREFETCH=prefetch, **pdl_options(),
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=d_splits, **pdl_options(),
     )  # fmt: skip
     return k_parts(y, num_tokens, k * d_splits, x.dtype, sum_k)

@@ -31,7 +31,6 @@ import triton.language as tl
 from minakv.ops.moe_groups import ACTIVATIONS, group_by_expert, k_parts, tile_start
 from minakv.ops.mxfp4_mma import _DECODE, WARPS, activate_store
 from minakv.ops.mxfp4_order import pair_order
-from minakv.ops.triton_util import prefetch_ok
 
 FRAGMENT = ("a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3")  # A fragments: rows g, g + 8, g, g + 8 each
 FOLD_RANGE = (107, 136)  # scale bytes whose 2^(s - 121) is a normal fp16 and FP4 x 2^(s - 127) exact in fp16
@@ -44,8 +43,7 @@ def fold_fits(w: dict[str, torch.Tensor]) -> bool:
 
 
 def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], stride_bn: int,
-              stride_sn: int, warp_rows: int, last_row: int, x_row: int, fold: bool = False,
-              prefetch: bool = False) -> str:  # fmt: skip
+              stride_sn: int, warp_rows: int, last_row: int, x_row: int, fold: bool = False) -> str:  # fmt: skip
     """One warp's MR x NT tiles over `groups` groups, `unroll` groups a step. Operands: $0 the thread's
     %tid.x, then the 4 * MR * NT sums (tile (i, c)'s C fragment at 1 + 4 (i NT + c): rows g, g + 8 of row
     tile i (g = lane / 4) times columns 2t, 2t + 1 of pair tile c (t = lane % 4)); inputs: the program's
@@ -53,8 +51,7 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
     each row tile's first row from the warp's (rows); warp w starts at min(first + w * warp_rows,
     last_row); x_row: bytes per activation row. fold: scale the decoded fp16 weights by 2^(s - 121) with
     `mul.rn.f16x2` (exact for scale bytes in FOLD_RANGE, `fold_fits`) and accumulate in the MMAs' own C,
-    instead of 4 fp32 FMAs per MMA pair (2 a row tile per pair tile per group). prefetch: each of the warp's
-    rows asked of L2 whole first (mxfp4_mma._PREFETCH)."""
+    instead of 4 fp32 FMAs per MMA pair (2 a row tile per pair tile per group)."""
     n_out = 1 + 4 * mr * nt
     wb, sb, xb, r0 = (f"${n_out + j}" for j in range(4))
     regs = [f"w{i}a{j}, w{i}b{j}, s{i}a{j}, s{i}b{j}" for i in range(mr) for j in range(unroll)]
@@ -104,11 +101,6 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
                     )
         return out
 
-    prefetch_rows = "setp.eq.u32 p, t, 0;\n" + "".join(
-        f"@p cp.async.bulk.prefetch.L2.global [wp+{(row_offs[i] + 8 * h) * stride_bn}], {16 * groups};\n"
-        for i in range(mr)
-        for h in range(2)
-    )
     steps, tail = divmod(groups, unroll)
     loop = (
         f"mov.u32 n, {steps};\nLOOP${{:uid}}:\n" + step(unroll)
@@ -128,7 +120,6 @@ mul.wide.u32 o, r, {stride_sn}; add.s64 sp, {sb}, o;
 mul.wide.u32 o, g, {x_row}; add.s64 xp, {xb}, o; mul.wide.u32 o, t, 16; add.s64 xp, xp, o;
 mov.b32 z, 0;
 """
-        + (prefetch_rows if prefetch else "")
         + "".join(f"mov.f32 {a}, 0f00000000;\n" for a in acc)
         + loop
         + step(tail)
@@ -223,13 +214,11 @@ def row_tiles(rows: int, gate_up: bool, mr: int) -> int:
 
 def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                           limit=7.0, alpha=1.702, *, sum_k: bool = True, nt: int = 4, mr: int = 4,
-                          unroll: int = 2, fold: bool = False, prefetch: bool | None = None) -> torch.Tensor:  # fmt: skip
+                          unroll: int = 2, fold: bool = False) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments), each expert read once per 8 * nt of its pairs (CUDA
     only). nt: pair tiles of 8 a warp; mr: row tiles of 16 a warp (gate/up: half gate, half up; fewer when
     the weights have fewer rows); unroll: groups a lane loads before it uses any; fold: the scales folded
-    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`); prefetch: the warps' rows asked of L2 first
-    (default: triton_util.prefetch_ok)."""
-    prefetch = prefetch_ok(x.device) if prefetch is None else prefetch
+    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`)."""
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     hidden = x.shape[1]
@@ -244,7 +233,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     h = torch.empty(num_pairs + cols, inter, dtype=torch.float16, device=x.device)  # pad rows: never stored
     mr_gu = row_tiles(2 * inter, True, mr)
     asm = tiles_asm(mr_gu, nt, unroll, hidden // 32, [8 * i if i % 2 == 0 else inter + 8 * (i - 1) for i in
-                    range(mr_gu)], gub.stride(1), gus.stride(1), 8 * mr_gu, inter - 8 * mr_gu, 2 * hidden, fold, prefetch)  # fmt: skip
+                    range(mr_gu)], gub.stride(1), gus.stride(1), 8 * mr_gu, inter - 8 * mr_gu, 2 * hidden, fold)  # fmt: skip
     _gate_up_tiles[(max_tiles, triton.cdiv(inter, WARPS.value * 8 * mr_gu))](
         xs, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, *plan, h, num_experts, inter,
         float(limit), float(alpha), gub.stride(0), gus.stride(0),
@@ -254,7 +243,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     )  # fmt: skip
     mr_d = row_tiles(hidden, False, mr)
     asm = tiles_asm(mr_d, nt, unroll, inter // 32, [16 * i for i in range(mr_d)], db.stride(1), ds.stride(1),
-                    16 * mr_d, hidden - 16 * mr_d, 2 * inter, fold, prefetch)  # fmt: skip
+                    16 * mr_d, hidden - 16 * mr_d, 2 * inter, fold)  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_tiles[(max_tiles, triton.cdiv(hidden, WARPS.value * 16 * mr_d))](

@@ -11,8 +11,6 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 
 def interpreting() -> bool:
@@ -56,38 +54,6 @@ def enable_pdl(enabled: bool, device: torch.device) -> bool:
 def pdl_options() -> dict:
     """A PDL-aware kernel's launch options: its USE_GDC constexpr, and Triton's launch_pdl when on."""
     return {"USE_GDC": True, "launch_pdl": True} if PDL else {"USE_GDC": False}
-
-
-# L2 bulk prefetch (sm_90: `cp.async.bulk.prefetch.L2`). A decode GEMV's warp keeps only a few loads in
-# flight, so a kernel whose warps each walk a short stretch of rows pays DRAM latency once a step and reads
-# far below the copy bandwidth; asking L2 for the program's whole rows first (no registers held) puts all of
-# its bytes in flight at once, and the loads then find them in L2. Weights are never a kernel's output, so
-# under PDL the prefetch may go before the wait on the kernel before. On by default; benches turn it off.
-PREFETCH_L2 = True
-
-
-def prefetch_ok(device: torch.device) -> bool:
-    """Whether kernels on `device` should issue the L2 bulk prefetch (PREFETCH_L2, compiled, sm_90+)."""
-    if not PREFETCH_L2 or device.type != "cuda" or interpreting():
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@functools.cache
-def _capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
-@triton.jit
-def prefetch_rows(first_row, row_stride, rows, nbytes, THREADS: tl.constexpr):
-    """Ask L2 for `nbytes` from each of `rows` rows (thread i: row i, at most THREADS) starting at pointer
-    first_row, `row_stride` elements apart. nbytes and each row's address: multiples of 16 (callers check)."""
-    idx = tl.arange(0, THREADS)
-    ptrs = (first_row + idx.to(tl.int64) * row_stride).to(tl.int64)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p cp.async.bulk.prefetch.L2.global [$1], $4; mov.u32 $0, 0; }",
-        "=r,l,r,r,r", [ptrs, idx, idx * 0 + rows, idx * 0 + nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
 
 
 def ptx_loads_ok(asked: bool, x: torch.Tensor) -> bool:
