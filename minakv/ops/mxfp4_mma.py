@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
+from minakv.ops.mxfp4_mma_pipe import DECODE, VARIANTS, fits, mma_rows_pipe_ptx
 from minakv.ops.mxfp4_order import pair_order, pair_position
 from minakv.ops.triton_util import pdl_options
 
@@ -40,13 +41,6 @@ ROWS = 16  # weight rows per program
 # `unroll`, groups a lane loads before it uses any (10 bytes of weights and scales each): 4 (63 registers,
 # 8 programs a SM) or 8 (96-102 registers, 5 a SM; slower on the H200, RESULTS.md)
 
-_DECODE = """shl.b32 t0, {w}, 2; shl.b32 t1, {w}, 4; and.b32 t1, t1, 0x80808080;
-lop3.b32 t2, t0, 0x1C1C1C1C, t1, 0xEA; mov.b32 {{h0, h1}}, t2;
-cvt.rn.f16x2.e4m3x2 {p0}, h0; cvt.rn.f16x2.e4m3x2 {p1}, h1;
-shr.b32 t0, {w}, 2; and.b32 t1, {w}, 0x80808080;
-lop3.b32 t2, t0, 0x1C1C1C1C, t1, 0xEA; mov.b32 {{h0, h1}}, t2;
-cvt.rn.f16x2.e4m3x2 {p2}, h0; cvt.rn.f16x2.e4m3x2 {p3}, h1;
-"""
 # group j of an unrolled step. The fast step (all UNROLL groups below the warp's end) loads without
 # predicates, so ptxas can issue every load before the first use; the tail step predicates on q{j}.
 _LOAD = """@{p}ld.global.nc.b32 wa{j}, [wpa+{w}]; @{p}ld.global.nc.u8 sa{j}, [spa+{s}];
@@ -70,8 +64,8 @@ def _step(unroll: int, tail: bool) -> str:
         out += _LOAD.format(j=j, p=p, w=16 * j, s=j, x=64 * j)
     for j in range(unroll):
         p = f"q{j} " if tail else "qt "
-        out += _DECODE.format(w=f"wa{j}", p0="a0", p1="a2", p2="b0", p3="b2")
-        out += _DECODE.format(w=f"wb{j}", p0="a1", p1="a3", p2="b1", p3="b3")
+        out += DECODE.format(w=f"wa{j}", p0="a0", p1="a2", p2="b0", p3="b2")
+        out += DECODE.format(w=f"wb{j}", p0="a1", p1="a3", p2="b1", p3="b3")
         out += _MMA.format(j=j, p=p)
     return out
 
@@ -129,11 +123,14 @@ mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e2;
 
 MMA_ROWS_U4 = tl.constexpr(_mma_rows_ptx(4))
 MMA_ROWS_U8 = tl.constexpr(_mma_rows_ptx(8))
+MMA_ROWS_P1 = tl.constexpr(mma_rows_pipe_ptx(*VARIANTS[1]))
+MMA_ROWS_P2 = tl.constexpr(mma_rows_pipe_ptx(*VARIANTS[2]))
+MMA_ROWS_P3 = tl.constexpr(mma_rows_pipe_ptx(*VARIANTS[3]))
 
 
 @triton.jit
 def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
-              UNROLL: tl.constexpr):  # fmt: skip
+              UNROLL: tl.constexpr, PIPE: tl.constexpr = 0):  # fmt: skip
     """The work of MMA_ROWS_U4/U8 for this program's warps -> (lane [32], [WARPS, 32] partial sums of rows
     g and g + 8, `_mma_rows_ptx`). w_rows / s_rows / x_rows: [32 * WARPS] pointers, one per thread (the
     first weight row, its scales, the thread's column's inputs); the warps form SETS row sets (the warps of
@@ -141,7 +138,8 @@ def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left
     zero = tl.arange(0, 32 * WARPS) * 0
     per_warp = tl.cdiv(g_hi - g_lo, WARPS // SETS)
     lane, s0, s1 = tl.inline_asm_elementwise(
-        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
+        MMA_ROWS_P1 if PIPE == 1 else MMA_ROWS_P2 if PIPE == 2 else MMA_ROWS_P3 if PIPE == 3
+        else MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4, "=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
         [w_rows.to(tl.int64), s_rows.to(tl.int64), x_rows.to(tl.int64), (zero + stride_bn).to(tl.int32),
          (zero + stride_sn).to(tl.int32), (zero + g_hi).to(tl.int32), (zero + rows_left).to(tl.int32),
          (zero + per_warp).to(tl.int32), (zero + WARPS // SETS).to(tl.int32), (zero + g_lo).to(tl.int32)],
@@ -200,7 +198,7 @@ def activate_store(gate, up, n, ok, b_ptr, expert, stride_bias, I, limit, alpha,
 def _gate_up_mma(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr, SPLITS: tl.constexpr, PIPE: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
@@ -213,7 +211,17 @@ def _gate_up_mma(
     g_lo, g_hi = _groups(H // 32, G_SPLIT)
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
     lane, sum_a, sum_b = mma_rows(
-        w_rows, s_rows, x_row + zero, stride_bn, stride_sn, g_lo, g_hi, I - row0, SETS=2, UNROLL=UNROLL
+        w_rows,
+        s_rows,
+        x_row + zero,
+        stride_bn,
+        stride_sn,
+        g_lo,
+        g_hi,
+        I - row0,
+        SETS=2,
+        UNROLL=UNROLL,
+        PIPE=PIPE,
     )
     if USE_GDC:  # the weights are read: the next kernel may start (it waits for this one to finish)
         tl.extra.cuda.gdc_launch_dependents()
@@ -238,7 +246,7 @@ def _gate_up_mma(
 def _down_mma(
     h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y, HAS_BIAS: tl.constexpr,
-    UNROLL: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr,
+    UNROLL: tl.constexpr, SPLITS: tl.constexpr, PIPE: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if USE_GDC:  # (triton_util.PDL) h is the kernel before's
@@ -250,7 +258,17 @@ def _down_mma(
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     g_lo, g_hi = _groups(I // 32, G_SPLIT)
     lane, sum_a, sum_b = mma_rows(
-        w_rows, s_rows, h_row + zero, stride_bn, stride_sn, g_lo, g_hi, H - row0, SETS=1, UNROLL=UNROLL
+        w_rows,
+        s_rows,
+        h_row + zero,
+        stride_bn,
+        stride_sn,
+        g_lo,
+        g_hi,
+        H - row0,
+        SETS=1,
+        UNROLL=UNROLL,
+        PIPE=PIPE,
     )
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
@@ -271,7 +289,7 @@ def _down_mma(
 
 def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                   limit=7.0, alpha=1.702, *, sum_k: bool = True, unroll: int = 4,
-                  splits: tuple[int, int] = (1, 1)) -> torch.Tensor:  # fmt: skip
+                  splits: tuple[int, int] = (1, 1), pipe: int = 0) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments) from the tensor-core GEMV above (CUDA only).
     unroll: groups a step (4 or 8). splits: programs along the input for gate/up and for down (split-K:
     more, shorter chains of loads); gate/up's partials are summed by mxfp4_gemv.finish_gate_up, down's
@@ -287,6 +305,9 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     dummy = ids
     x16 = pair_order(x)
     gu_splits, d_splits = splits
+    # pipe: mxfp4_mma_pipe.py's loop (4 groups a step), where a warp's share of the groups fits its scales
+    pipe_gu = pipe * fits(triton.cdiv(triton.cdiv(hidden // 32, gu_splits), WARPS.value // 2))
+    pipe_d = pipe * fits(triton.cdiv(triton.cdiv(inter // 32, d_splits), WARPS.value))
     h = torch.empty(num_pairs, inter, dtype=torch.float16, device=x.device)
     partial = (
         torch.empty(gu_splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
@@ -298,7 +319,7 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         float(limit), float(alpha), triton.cdiv(hidden // 32, gu_splits), x16.stride(0), gub.stride(0),
         gub.stride(1), gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0,
         partial.stride(-2), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation],
-        num_warps=WARPS.value, UNROLL=unroll, SPLITS=gu_splits, **pdl_options(),
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=gu_splits, PIPE=pipe_gu, **pdl_options(),
     )  # fmt: skip
     if gu_splits > 1:
         finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, cols=2)
@@ -308,6 +329,6 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         triton.cdiv(inter // 32, d_splits), h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
-        num_warps=WARPS.value, UNROLL=unroll, SPLITS=d_splits, **pdl_options(),
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=d_splits, PIPE=pipe_d, **pdl_options(),
     )  # fmt: skip
     return k_parts(y, num_tokens, k * d_splits, x.dtype, sum_k)

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, group_by_expert, k_parts, tile_start
-from minakv.ops.mxfp4_mma import _DECODE, WARPS, activate_store
+from minakv.ops.mxfp4_mma import WARPS, activate_store
+from minakv.ops.mxfp4_mma_pipe import DECODE
 from minakv.ops.mxfp4_order import pair_order
 
 FRAGMENT = ("a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3")  # A fragments: rows g, g + 8, g, g + 8 each
@@ -70,8 +71,8 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
                 out += f"ld.global.nc.v4.b32 {{{xq}}}, [xp+{c * 8 * x_row + 64 * j}];\n"
         for j in range(count):
             for i in range(mr):
-                out += _DECODE.format(w=f"w{i}a{j}", p0="a0", p1="a2", p2="b0", p3="b2")
-                out += _DECODE.format(w=f"w{i}b{j}", p0="a1", p1="a3", p2="b1", p3="b3")
+                out += DECODE.format(w=f"w{i}a{j}", p0="a0", p1="a2", p2="b0", p3="b2")
+                out += DECODE.format(w=f"w{i}b{j}", p0="a1", p1="a3", p2="b1", p3="b3")
                 if fold:  # 2^(s - 121) as fp16 in both halves: biased exponent s - 106 at bits 10 and 26
                     out += (f"sub.u32 t0, s{i}a{j}, 106; mul.lo.u32 ha, t0, 0x04000400;\n"
                             f"sub.u32 t0, s{i}b{j}, 106; mul.lo.u32 hb, t0, 0x04000400;\n")  # fmt: skip
