@@ -53,7 +53,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     token's pairs with 4 x 32 strips, no gain elsewhere (mxfp4_moe.gemv_config). Rows in expert order (so
     that an expert's repeat reads hit L2) were tried and lost at 1, 8 and 64 tokens (bench/RESULTS.md).
     mma: the tensor-core GEMV of mxfp4_mma.py instead (compiled runs only; mxfp4_moe.gemv_config), with
-    mxfp4_mma_pipe.py's loop where pipe > 0 (its VARIANTS)."""
+    mxfp4_mma_ptx.py's loop where pipe > 0 (its VARIANTS)."""
     _, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     if mma and not interpreting():
         return moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha,

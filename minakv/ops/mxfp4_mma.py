@@ -31,98 +31,15 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
-from minakv.ops.mxfp4_mma_pipe import DECODE, VARIANTS, fits, mma_rows_pipe_ptx
+from minakv.ops.mxfp4_mma_ptx import VARIANTS, fits, mma_rows_pipe_ptx, mma_rows_ptx
 from minakv.ops.mxfp4_order import pair_order, pair_position
 from minakv.ops.triton_util import pdl_options
 
 WARPS = tl.constexpr(4)  # per program: they split the groups of the same 16 rows, then add their sums
 ROWS = 16  # weight rows per program
 
-# `unroll`, groups a lane loads before it uses any (10 bytes of weights and scales each): 4 (63 registers,
-# 8 programs a SM) or 8 (96-102 registers, 5 a SM; slower on the H200, RESULTS.md)
-
-# group j of an unrolled step. The fast step (all UNROLL groups below the warp's end) loads without
-# predicates, so ptxas can issue every load before the first use; the tail step predicates on q{j}.
-_LOAD = """@{p}ld.global.nc.b32 wa{j}, [wpa+{w}]; @{p}ld.global.nc.u8 sa{j}, [spa+{s}];
-@{p}ld.global.nc.b32 wb{j}, [wpb+{w}]; @{p}ld.global.nc.u8 sb{j}, [spb+{s}];
-@{p}ld.global.nc.v4.b32 {{x0{j}, x1{j}, x2{j}, x3{j}}}, [xp+{x}];
-"""
-_MMA = """@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{a0, a1, a2, a3}}, {{x0{j}, x1{j}}}, {{z, z, z, z}};
-@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{b0, b1, b2, b3}}, {{x2{j}, x3{j}}}, {{c0, c1, c2, c3}};
-add.u32 sa{j}, sa{j}, 6; shl.b32 sa{j}, sa{j}, 23; mov.b32 fa, sa{j}; add.u32 sb{j}, sb{j}, 6; shl.b32 sb{j}, sb{j}, 23;
-mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e2, c2, fb, e2;
-"""
-
-
-def _step(unroll: int, tail: bool) -> str:
-    """One unrolled step of `unroll` groups: loads, then decode and MMAs (tail: each group predicated)."""
-    out = ""
-    for j in range(unroll):
-        p = f"q{j} " if tail else "qt "  # qt: always true
-        if tail:
-            out += f"add.s32 n{j}, n, {j}; setp.lt.s32 q{j}, n{j}, hi;\n"
-        out += _LOAD.format(j=j, p=p, w=16 * j, s=j, x=64 * j)
-    for j in range(unroll):
-        p = f"q{j} " if tail else "qt "
-        out += DECODE.format(w=f"wa{j}", p0="a0", p1="a2", p2="b0", p3="b2")
-        out += DECODE.format(w=f"wb{j}", p0="a1", p1="a3", p2="b1", p3="b3")
-        out += _MMA.format(j=j, p=p)
-    return out
-
-
-def _mma_rows_ptx(unroll: int) -> str:
-    """The PTX of one lane's work, `unroll` groups a step. Operands: $0 the lane, $1 / $2 its warp's partial
-    sums over the warp's share of the groups for rows g and g + 8 (g = lane / 4) of C column 2t (t = lane %
-    4: the pair's column 0 is t = 0's); $3 first row's bytes, $4 its scales, $5 this lane's column's fp16
-    inputs (pair order), $6 / $7 bytes per row of blocks / scales, $12 / $8 first and end group, $9 rows
-    left from the first, $10 groups per warp, $11 warps per row set (warp w takes share w % $11). Rows
-    past the last read the last row."""
-    regs = "".join(
-        f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
-        for j in range(unroll)
-    )
-    return (
-        """{
-.reg .pred qt, qe;
-.reg .b32 tid, lane, warp, g, t, ra, rb, la, lb, n, hi, t0, t1, t2, a0, a1, a2, a3, b0, b1, b2, b3, z;
-.reg .b16 h0, h1;
-.reg .b64 wpa, wpb, spa, spb, xp, o;
-.reg .f32 c0, c1, c2, c3, e0, e2, fa, fb;
-"""
-        + regs
-        + """mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
-mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $9, 1; min.s32 la, la, ra; sub.s32 lb, $9, 1; min.s32 lb, lb, rb;
-setp.eq.u32 qt, g, g;
-rem.u32 n, warp, $11; mul.lo.u32 n, n, $10; add.u32 n, n, $12; add.u32 hi, n, $10; min.s32 hi, hi, $8;
-mul.wide.u32 o, la, $6; add.s64 wpa, $3, o; mul.wide.u32 o, lb, $6; add.s64 wpb, $3, o;
-mul.wide.u32 o, n, 16; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
-mul.wide.u32 o, t, 4; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
-mul.wide.u32 o, la, $7; add.s64 spa, $4, o; mul.wide.u32 o, lb, $7; add.s64 spb, $4, o;
-cvt.u64.u32 o, n; add.s64 spa, spa, o; add.s64 spb, spb, o;
-mul.wide.u32 o, t, 16; add.s64 xp, $5, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
-mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e2, 0f00000000;
-LOOP${:uid}:
-"""
-        + f"""add.s32 n0, n, {unroll}; setp.gt.s32 qe, n0, hi;
-@qe bra.uni TAIL${{:uid}};
-"""
-        + _step(unroll, tail=False)
-        + f"""add.s32 n, n, {unroll}; add.s64 wpa, wpa, {16 * unroll}; add.s64 wpb, wpb, {16 * unroll};
-add.s64 spa, spa, {unroll}; add.s64 spb, spb, {unroll}; add.s64 xp, xp, {64 * unroll};
-bra.uni LOOP${{:uid}};
-TAIL${{:uid}}:
-setp.lt.s32 qe, n, hi;
-@!qe bra.uni DONE${{:uid}};
-"""
-        + _step(unroll, tail=True)
-        + """DONE${:uid}:
-mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e2;
-}"""
-    )
-
-
-MMA_ROWS_U4 = tl.constexpr(_mma_rows_ptx(4))
-MMA_ROWS_U8 = tl.constexpr(_mma_rows_ptx(8))
+MMA_ROWS_U4 = tl.constexpr(mma_rows_ptx(4))
+MMA_ROWS_U8 = tl.constexpr(mma_rows_ptx(8))
 MMA_ROWS_P1 = tl.constexpr(mma_rows_pipe_ptx(*VARIANTS[1]))
 MMA_ROWS_P2 = tl.constexpr(mma_rows_pipe_ptx(*VARIANTS[2]))
 MMA_ROWS_P3 = tl.constexpr(mma_rows_pipe_ptx(*VARIANTS[3]))
@@ -132,7 +49,7 @@ MMA_ROWS_P3 = tl.constexpr(mma_rows_pipe_ptx(*VARIANTS[3]))
 def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
               UNROLL: tl.constexpr, PIPE: tl.constexpr = 0):  # fmt: skip
     """The work of MMA_ROWS_U4/U8 for this program's warps -> (lane [32], [WARPS, 32] partial sums of rows
-    g and g + 8, `_mma_rows_ptx`). w_rows / s_rows / x_rows: [32 * WARPS] pointers, one per thread (the
+    g and g + 8, `mxfp4_mma_ptx.mma_rows_ptx`). w_rows / s_rows / x_rows: [32 * WARPS] pointers, one per thread (the
     first weight row, its scales, the thread's column's inputs); the warps form SETS row sets (the warps of
     a set split its groups). One element per thread, so lane l of warp w is element 32 w + l."""
     zero = tl.arange(0, 32 * WARPS) * 0
@@ -305,7 +222,9 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     dummy = ids
     x16 = pair_order(x)
     gu_splits, d_splits = splits
-    # pipe: mxfp4_mma_pipe.py's loop (4 groups a step), where a warp's share of the groups fits its scales
+    # pipe: mxfp4_mma_ptx.py's loop where a warp's share of the groups fits its scales and the copies'
+    # 16-byte chunks are aligned (blocks and scales starting on 16 bytes)
+    pipe *= all(t.data_ptr() % 16 == 0 for t in (gub, gus, db, ds))
     pipe_gu = pipe * fits(triton.cdiv(triton.cdiv(hidden // 32, gu_splits), WARPS.value // 2))
     pipe_d = pipe * fits(triton.cdiv(triton.cdiv(inter // 32, d_splits), WARPS.value))
     h = torch.empty(num_pairs, inter, dtype=torch.float16, device=x.device)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, group_by_expert, k_parts, tile_start
 from minakv.ops.mxfp4_mma import WARPS, activate_store
-from minakv.ops.mxfp4_mma_pipe import DECODE
+from minakv.ops.mxfp4_mma_ptx import DECODE
 from minakv.ops.mxfp4_order import pair_order
 
 FRAGMENT = ("a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3")  # A fragments: rows g, g + 8, g, g + 8 each

@@ -46,7 +46,7 @@ BF16_ONCE_PER_EXPERT, BF16_ONCE_MAX_BYTES = 512, 2 << 30
 # the tensor-core grouped GEMM (mxfp4_mma_grouped.py) from pairs > experts up to this many pairs an expert,
 # or the second where the scales fold into the weights (there it beats the dot_scaled grouped GEMM up to 128)
 MMA_GROUPED_MAX_PER_EXPERT, MMA_FOLD_MAX_PER_EXPERT = 64, 256
-# the one-token tensor-core GEMV's loop: 0 registers (mxfp4_mma.py), else mxfp4_mma_pipe.VARIANTS[MMA_PIPE]
+# the one-token tensor-core GEMV's loop: 0 registers (mxfp4_mma.py), else mxfp4_mma_ptx.VARIANTS[MMA_PIPE]
 MMA_PIPE = 0
 
 
