@@ -144,14 +144,20 @@ def timed(fn) -> float:
 
 
 def step_time(run, batch: int, n1: int, n2: int, repeats: int = 2) -> float:
-    """Seconds per decode step, by difference of two generation lengths."""
+    """Seconds per decode step, by difference of two generation lengths: the best of `repeats`."""
+    return min(step_times(run, batch, n1, n2, repeats))
+
+
+def step_times(run, batch: int, n1: int, n2: int, repeats: int = 2) -> list[float]:
+    """Each repeat's seconds per decode step, by difference of two generation lengths. The best of them can
+    read below one graph replay of the step (GPU busy > 1): report the median beside it."""
     run(batch, n1)  # warm-up: kernels compiled, graphs captured, allocator settled
-    best = float("inf")
+    out = []
     for _ in range(repeats):
         t1 = timed(lambda: run(batch, n1))
         t2 = timed(lambda: run(batch, n2))
-        best = min(best, (t2 - t1) / (n2 - n1))
-    return best
+        out.append((t2 - t1) / (n2 - n1))
+    return out
 
 
 def step_bytes(model, config: ModelConfig, batch: int, context: float) -> float:

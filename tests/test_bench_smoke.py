@@ -55,7 +55,7 @@ def test_decode_sweep_tiny(tmp_path: Path) -> None:
     ]
     assert {(r["batch"], r["mode"]) for r in rows} == {(b, m) for b in (1, 2) for m in ("greedy", "sampled")}
     for r in rows:
-        assert r["ms_per_step"] > 0 and r["tok_s"] > 0
+        assert 0 < r["ms_per_step"] <= r["ms_per_step_median"] and r["tok_s"] > 0
         assert {"fraction_of_bound", "gpu_busy", "graph_replay_ms", "bytes_per_step"} <= set(r)
         assert r["mode"] == "greedy" or r["sampled_over_greedy"] > 0
 
