@@ -14,8 +14,8 @@ so every request takes the seeded path of the sampler). Per (batch, mode): milli
 by difference of two generation lengths from fresh random prompts (bench/e2e_decode.py `step_times`:
 (t(n2) - t(n1)) / (n2 - n1), best of `--repeats`, their median beside it; this removes prefill and
 setup), output tokens/s, and the fraction of the bytes-read bound (e2e_decode `step_bytes` at the mean
-context, over the copy bandwidth measured in this run; None on CPU). The sampled/greedy ratio is sampled tok/s over greedy tok/s
-at the same batch.
+context, over the copy bandwidth measured in this run; None on CPU). The sampled/greedy ratio is sampled
+tok/s over greedy tok/s at the same batch.
 
 GPU busy: the device time of one decode step, measured as the replay of the step's captured CUDA graph
 alone (the forward; the sampler runs outside the graph and is not counted), over the measured wall time

@@ -127,19 +127,8 @@ def _gate_up_mma(
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     g_lo, g_hi = _groups(H // 32, G_SPLIT)
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
-    lane, sum_a, sum_b = mma_rows(
-        w_rows,
-        s_rows,
-        x_row + zero,
-        stride_bn,
-        stride_sn,
-        g_lo,
-        g_hi,
-        I - row0,
-        SETS=2,
-        UNROLL=UNROLL,
-        PIPE=PIPE,
-    )
+    lane, sum_a, sum_b = mma_rows(w_rows, s_rows, x_row + zero, stride_bn, stride_sn, g_lo, g_hi, I - row0,
+                                  SETS=2, UNROLL=UNROLL, PIPE=PIPE)  # fmt: skip
     if USE_GDC:  # the weights are read: the next kernel may start (it waits for this one to finish)
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.where(lane % 4 == 0, lane // 4, -1)  # column 0 (the pair) is held by the lanes of t = 0
@@ -174,19 +163,8 @@ def _down_mma(
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     g_lo, g_hi = _groups(I // 32, G_SPLIT)
-    lane, sum_a, sum_b = mma_rows(
-        w_rows,
-        s_rows,
-        h_row + zero,
-        stride_bn,
-        stride_sn,
-        g_lo,
-        g_hi,
-        H - row0,
-        SETS=1,
-        UNROLL=UNROLL,
-        PIPE=PIPE,
-    )
+    lane, sum_a, sum_b = mma_rows(w_rows, s_rows, h_row + zero, stride_bn, stride_sn, g_lo, g_hi, H - row0,
+                                  SETS=1, UNROLL=UNROLL, PIPE=PIPE)  # fmt: skip
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.where(lane % 4 == 0, lane // 4, -1)
@@ -224,9 +202,10 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     gu_splits, d_splits = splits
     # pipe: mxfp4_mma_ptx.py's loop where a warp's share of the groups fits its scales and the copies'
     # 16-byte chunks are aligned (blocks and scales starting on 16 bytes)
-    pipe *= all(t.data_ptr() % 16 == 0 for t in (gub, gus, db, ds))
-    pipe_gu = pipe * fits(triton.cdiv(triton.cdiv(hidden // 32, gu_splits), WARPS.value // 2))
-    pipe_d = pipe * fits(triton.cdiv(triton.cdiv(inter // 32, d_splits), WARPS.value))
+    aligned = all(t.data_ptr() % 16 == 0 for t in (gub, gus, db, ds))
+    gu_fits = fits(triton.cdiv(triton.cdiv(hidden // 32, gu_splits), WARPS.value // 2))
+    d_fits = fits(triton.cdiv(triton.cdiv(inter // 32, d_splits), WARPS.value))
+    pipe_gu, pipe_d = (pipe if aligned and ok else 0 for ok in (gu_fits, d_fits))
     h = torch.empty(num_pairs, inter, dtype=torch.float16, device=x.device)
     partial = (
         torch.empty(gu_splits, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)

@@ -161,12 +161,7 @@ def _compute_step(unroll: int) -> str:
         )
         out += DECODE.format(w="wa", p0="a0", p1="a2", p2="b0", p3="b2")
         out += DECODE.format(w="wb", p0="a1", p1="a3", p2="b1", p3="b3")
-        out += (
-            "@pj mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {c0, c1, c2, c3}, {a0, a1, a2, a3}, {x0, x1}, {z, z, z, z};\n"
-            "@pj mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {c0, c1, c2, c3}, {b0, b1, b2, b3}, {x2, x3}, {c0, c1, c2, c3};\n"
-            "add.u32 sa, sa, 6; shl.b32 sa, sa, 23; mov.b32 fa, sa; add.u32 sb, sb, 6; shl.b32 sb, sb, 23; mov.b32 fb, sb;\n"
-            "@pj fma.rn.f32 e0, c0, fa, e0; @pj fma.rn.f32 e2, c2, fb, e2;\n"
-        )
+        out += _MMA.format(j="", p="pj ")  # (the register form's, on this group's registers)
     return out
 
 
