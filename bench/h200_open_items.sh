@@ -80,7 +80,7 @@ for step in $STEPS; do
         pipe) timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ops_mxfp4.py -k mma_gemv -x &&
             for p in 0 1 2; do  # (three row files, named here)
                 timeout 100 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1 --prompt 400 --repeats 2 \
-                    --modes greedy --kv-tokens 20000 --mma-pipe $p
+                    --modes greedy --kv-tokens 20000 --mma-pipe $p --kernels
                 mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_120b_pipe$p.json"
             done && timeout 90 python3 bench/mxfp4_variants.py --tokens 1 --only "gemv mma u4 split 1,gemv mma pipe" \
                 --out "$OUT/variants_pipe.json" ;;
