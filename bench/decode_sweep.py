@@ -117,12 +117,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the bf16 projections through F.linear at batch 1 too (not the GEMV)",
     )
     p.add_argument(
-        "--mma-pipe",
-        type=int,
-        default=None,
-        help="mxfp4_moe.MMA_PIPE: the one-token GEMV's loop (0: registers)",
-    )
-    p.add_argument(
         "--kv-tokens", type=int, default=None, help="KV pool size (default: what the batches need)"
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -148,10 +142,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth() * max(args.tp, args.ep) if DEVICE == "cuda" else None  # (summed over the GPUs)
     t = time.perf_counter()
-    if args.mma_pipe is not None:  # (read at each call; worker processes would not see this)
-        import minakv.ops.mxfp4_moe
-
-        minakv.ops.mxfp4_moe.MMA_PIPE = args.mma_pipe
     if args.cublas:  # (layers.py looks `linear` up at each call; worker processes would not see this)
         import minakv.model.layers
 

@@ -272,8 +272,6 @@ def _mxfp4_mma() -> None:
     moe_mxfp4_mma(*_mxfp4_layer(1))
     moe_mxfp4_mma(*_mxfp4_layer(1, hidden=96, inter=160), sum_k=False, unroll=8)  # 3 and 5 groups: tails
     moe_mxfp4_mma(*_mxfp4_layer(1), sum_k=False, splits=(2, 3))  # split-K: partials, the pair-order finish
-    for pipe in (1, 2, 3):  # the shared-memory pipelined loops (mxfp4_mma_ptx.py)
-        moe_mxfp4_mma(*_mxfp4_layer(1), pipe=pipe)
 
 
 @case("mxfp4_mma_grouped")
