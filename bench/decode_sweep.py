@@ -112,12 +112,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-pdl", action="store_true", help="EngineConfig.pdl off (programmatic dependent launch, sm_90+)"
     )
     p.add_argument(
-        "--mma-loop",
-        default=None,
-        help="the one-token MXFP4 GEMV's loop: groups a step, 'l' for inputs loaded late (e.g. 8l; "
-        "mxfp4_moe.MMA_UNROLL / MMA_LATE_X)",
-    )
-    p.add_argument(
         "--cublas",
         action="store_true",
         help="the bf16 projections through F.linear at batch 1 too (not the GEMV)",
@@ -148,13 +142,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth() * max(args.tp, args.ep) if DEVICE == "cuda" else None  # (summed over the GPUs)
     t = time.perf_counter()
-    if args.mma_loop:  # (read at each call; worker processes would not see this)
-        from minakv.ops import mxfp4_moe
-
-        mxfp4_moe.MMA_UNROLL, mxfp4_moe.MMA_LATE_X = (
-            int(args.mma_loop.rstrip("l")),
-            args.mma_loop.endswith("l"),
-        )
     if args.cublas:  # (layers.py looks `linear` up at each call; worker processes would not see this)
         import minakv.model.layers
 

@@ -26,9 +26,7 @@
 #   pdl       issue 12: gpt-oss-120b (dummy) and 20b decode at batch 1 and 64, without then with EngineConfig.pdl ~300 s
 #   cublas    issue 12: gpt-oss-20b and 120b (dummy) at batch 1, the bf16 projections' GEMV then cuBLAS   ~200 s
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
-#   late      issue 12: the one-token MXFP4 GEMV with its inputs loaded late (mxfp4_mma_ptx): GPU test, kernels, 120b batch 1 ~250 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
-# MMA_LOOP=8l (say) passes --mma-loop to the decode sweeps of dummy120 / dummy20.
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
 # bench/serve_replay.sh) for `serve`; the other steps need no tokenizer.
 set -u
@@ -48,10 +46,8 @@ for step in $STEPS; do
         gemv) timeout 200 python3 bench/mxfp4_variants.py --tokens 1,8,64 --only gemv --out "$OUT/gemv_variants.json" ;;
         grouped) timeout 300 python3 bench/mxfp4_variants.py --tokens 8,16,64,256,512,1024,4096 --budget-s 240 \
             --only "mma grouped,u4 split 1,fused default,grouped default,bf16 once,bf16 fused,bf16 grouped" --out "$OUT/grouped_mma.json" ;;
-        dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 --kernels \
-            ${MMA_LOOP:+--mma-loop $MMA_LOOP} ;;
-        dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 \
-            ${MMA_LOOP:+--mma-loop $MMA_LOOP} ;;
+        dummy120) timeout 300 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64,256 --prompt 400 --repeats 1 --kv-tokens 320000 --kernels ;;
+        dummy20) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 1,64,256 --prompt 400 --repeats 1 ;;
         k512) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-20b --batches 256,512 --prompt 1024 --n1 64 --n2 160 --max-num-batched-tokens 16384 --repeats 1 --modes greedy --kernels ;;
         prefill20) timeout 200 python3 bench/prefill_long.py --dummy gpt-oss-20b --lengths 1024 --requests 128 --chunk 16384 --kernels ;;
         throughput) timeout 400 python3 bench/throughput.py ;;
@@ -80,14 +76,6 @@ for step in $STEPS; do
                     --kv-tokens 60000 $([ $proj = cublas ] && echo --cublas)
                 mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_${model}_$proj.json"
             done; done ;;
-        late) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ops_mxfp4.py -k "mma_gemv and (2880 or 96)" -x &&
-            timeout 120 python3 bench/mxfp4_variants.py --tokens 1,4,8 --only "gemv mma u4 split 1,gemv mma late" \
-                --out "$OUT/variants_late.json" &&
-            for loop in 4 8l 12l; do  # (three row files, named here)
-                timeout 100 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1 --prompt 400 --repeats 2 \
-                    --modes greedy --kv-tokens 20000 --mma-loop $loop --kernels
-                mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_120b_loop$loop.json"
-            done ;;
         sort) timeout 120 python3 bench/moe_variants.py --tokens 64,256,512,1024 --only none --budget 0 \
             --out "$OUT/moe_sort.json" ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;

@@ -21,57 +21,48 @@ cvt.rn.f16x2.e4m3x2 {p2}, h0; cvt.rn.f16x2.e4m3x2 {p3}, h1;
 
 
 # `unroll`, groups a lane loads before it uses any (10 bytes of weights and scales each): 4 (63 registers,
-# 8 programs a SM) or 8 (96-102 registers, 5 a SM; slower on the H200, RESULTS.md).
-# `late_x`: the inputs are loaded where each group's MMAs use them, not with the step's weights. Every warp
-# of a program (and of the SM, at one token) reads the same inputs, so after the first touch they come
-# from L1 in tens of cycles; the weights stay the only loads a warp waits DRAM for, and the 16 bytes of
-# inputs a group no longer hold registers across that wait: 8 groups a step fit the registers 4 took.
+# 8 programs a SM) or 8 (96-102 registers, 5 a SM; slower on the H200, RESULTS.md)
 
 # group j of an unrolled step. The fast step (all UNROLL groups below the warp's end) loads without
 # predicates, so ptxas can issue every load before the first use; the tail step predicates on q{j}.
 _LOAD = """@{p}ld.global.nc.b32 wa{j}, [wpa+{w}]; @{p}ld.global.nc.u8 sa{j}, [spa+{s}];
 @{p}ld.global.nc.b32 wb{j}, [wpb+{w}]; @{p}ld.global.nc.u8 sb{j}, [spb+{s}];
+@{p}ld.global.nc.v4.b32 {{x0{j}, x1{j}, x2{j}, x3{j}}}, [xp+{x}];
 """
-_LOAD_X = """@{p}ld.global.nc.v4.b32 {{x0{xj}, x1{xj}, x2{xj}, x3{xj}}}, [xp+{x}];
-"""
-_MMA = """@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{a0, a1, a2, a3}}, {{x0{xj}, x1{xj}}}, {{z, z, z, z}};
-@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{b0, b1, b2, b3}}, {{x2{xj}, x3{xj}}}, {{c0, c1, c2, c3}};
+_MMA = """@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{a0, a1, a2, a3}}, {{x0{j}, x1{j}}}, {{z, z, z, z}};
+@{p}mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{c0, c1, c2, c3}}, {{b0, b1, b2, b3}}, {{x2{j}, x3{j}}}, {{c0, c1, c2, c3}};
 add.u32 sa{j}, sa{j}, 6; shl.b32 sa{j}, sa{j}, 23; mov.b32 fa, sa{j}; add.u32 sb{j}, sb{j}, 6; shl.b32 sb{j}, sb{j}, 23;
 mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e2, c2, fb, e2;
 """
 
 
-def _step(unroll: int, tail: bool, late_x: bool) -> str:
+def _step(unroll: int, tail: bool) -> str:
     """One unrolled step of `unroll` groups: loads, then decode and MMAs (tail: each group predicated)."""
     out = ""
     for j in range(unroll):
         p = f"q{j} " if tail else "qt "  # qt: always true
         if tail:
             out += f"add.s32 n{j}, n, {j}; setp.lt.s32 q{j}, n{j}, hi;\n"
-        out += _LOAD.format(j=j, p=p, w=16 * j, s=j)
-        if not late_x:
-            out += _LOAD_X.format(xj=j, p=p, x=64 * j)
+        out += _LOAD.format(j=j, p=p, w=16 * j, s=j, x=64 * j)
     for j in range(unroll):
         p = f"q{j} " if tail else "qt "
-        xj = "" if late_x else j  # late: one set of input registers, loaded here
-        if late_x:
-            out += _LOAD_X.format(xj=xj, p=p, x=64 * j)
         out += DECODE.format(w=f"wa{j}", p0="a0", p1="a2", p2="b0", p3="b2")
         out += DECODE.format(w=f"wb{j}", p0="a1", p1="a3", p2="b1", p3="b3")
-        out += _MMA.format(j=j, xj=xj, p=p)
+        out += _MMA.format(j=j, p=p)
     return out
 
 
-def mma_rows_ptx(unroll: int, late_x: bool = False) -> str:
+def mma_rows_ptx(unroll: int) -> str:
     """The PTX of one lane's work, `unroll` groups a step. Operands: $0 the lane, $1 / $2 its warp's partial
     sums over the warp's share of the groups for rows g and g + 8 (g = lane / 4) of C column 2t (t = lane %
     4: the pair's column 0 is t = 0's); $3 first row's bytes, $4 its scales, $5 this lane's column's fp16
     inputs (pair order), $6 / $7 bytes per row of blocks / scales, $12 / $8 first and end group, $9 rows
     left from the first, $10 groups per warp, $11 warps per row set (warp w takes share w % $11). Rows
-    past the last read the last row. late_x: see above."""
-    regs = "".join(f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j};\n" for j in range(unroll))
-    for xj in [""] if late_x else range(unroll):
-        regs += f".reg .b32 x0{xj}, x1{xj}, x2{xj}, x3{xj};\n"
+    past the last read the last row."""
+    regs = "".join(
+        f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
+        for j in range(unroll)
+    )
     return (
         """{
 .reg .pred qt, qe;
@@ -97,7 +88,7 @@ LOOP${:uid}:
         + f"""add.s32 n0, n, {unroll}; setp.gt.s32 qe, n0, hi;
 @qe bra.uni TAIL${{:uid}};
 """
-        + _step(unroll, tail=False, late_x=late_x)
+        + _step(unroll, tail=False)
         + f"""add.s32 n, n, {unroll}; add.s64 wpa, wpa, {16 * unroll}; add.s64 wpb, wpb, {16 * unroll};
 add.s64 spa, spa, {unroll}; add.s64 spb, spb, {unroll}; add.s64 xp, xp, {64 * unroll};
 bra.uni LOOP${{:uid}};
@@ -105,7 +96,7 @@ TAIL${{:uid}}:
 setp.lt.s32 qe, n, hi;
 @!qe bra.uni DONE${{:uid}};
 """
-        + _step(unroll, tail=True, late_x=late_x)
+        + _step(unroll, tail=True)
         + """DONE${:uid}:
 mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e2;
 }"""

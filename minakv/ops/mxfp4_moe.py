@@ -46,8 +46,6 @@ BF16_ONCE_PER_EXPERT, BF16_ONCE_MAX_BYTES = 512, 2 << 30
 # the tensor-core grouped GEMM (mxfp4_mma_grouped.py) from pairs > experts up to this many pairs an expert,
 # or the second where the scales fold into the weights (there it beats the dot_scaled grouped GEMM up to 128)
 MMA_GROUPED_MAX_PER_EXPERT, MMA_FOLD_MAX_PER_EXPERT = 64, 256
-# the tensor-core GEMV's loop (mxfp4_mma_ptx.py): groups a lane loads a step, inputs loaded where used
-MMA_UNROLL, MMA_LATE_X = 4, False
 
 
 def mma_grouped_fits(x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
@@ -96,10 +94,9 @@ def gemv_config(num_pairs: int) -> dict:
     the tensor-core GEMV (mxfp4_mma.py), 0.045 / 0.107 / 0.172 ms at 1 / 4 / 8 tokens (20b) against 0.054 /
     0.146 / 0.254 for the best CUDA-core strips, which stay for the interpreter: 4 rows x 32 groups at one
     token's pairs, 16 x 4 on 2 warps beyond."""
-    mma = {"mma": True, "unroll": MMA_UNROLL, "late_x": MMA_LATE_X}
     if num_pairs <= 4:
-        return {"block_n": 4, "groups": 32, "num_warps": 4, **mma}
-    return {"block_n": 16, "groups": 4, "num_warps": 2, **mma}
+        return {"block_n": 4, "groups": 32, "num_warps": 4, "mma": True}
+    return {"block_n": 16, "groups": 4, "num_warps": 2, "mma": True}
 
 
 def prefill_mode(num_pairs: int, x: torch.Tensor, w: dict[str, torch.Tensor]) -> str:
