@@ -101,3 +101,95 @@ setp.lt.s32 qe, n, hi;
 mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e2;
 }"""
     )
+
+
+# The scaled form: fragments multiplied by 2^(s - 121) in fp16 (mxfp4_mma_grouped.py's `fold`), so the MMAs
+# may sum over several groups and accumulate in their own C.
+_FOLD = """sub.u32 ha, {sa}, 106; mul.lo.u32 ha, ha, 0x04000400; sub.u32 hb, {sb}, 106; mul.lo.u32 hb, hb, 0x04000400;
+"""
+_FOLD_WORD = """mul.rn.f16x2 a0, a0, ha; mul.rn.f16x2 a2, a2, ha; mul.rn.f16x2 b0, b0, ha; mul.rn.f16x2 b2, b2, ha;
+mul.rn.f16x2 a1, a1, hb; mul.rn.f16x2 a3, a3, hb; mul.rn.f16x2 b1, b1, hb; mul.rn.f16x2 b3, b3, hb;
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{e0, e1, e2, e3}}, {{a0, a1, a2, a3}}, {{{x0}, {x1}}}, {{e0, e1, e2, e3}};
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{e0, e1, e2, e3}}, {{b0, b1, b2, b3}}, {{{x2}, {x3}}}, {{e0, e1, e2, e3}};
+"""
+
+
+def _fold_block(j: int, pred: str) -> tuple[str, str]:
+    """Block j of a step (4 groups, lane t taking group 4j + t whole): its loads, then its decode and
+    MMAs. pred: "" or "@q " (the tail: lanes whose group is past the end load nothing; their registers
+    hold zeros and scale byte 121, so they add exact zeros)."""
+    w = [f"w{j}{r}{i}" for r in "ab" for i in range(4)]
+    zero = ""
+    if pred:
+        zero = "".join(f"mov.b32 {v}, 0;\n" for v in w) + f"mov.u32 s{j}a, 121; mov.u32 s{j}b, 121;\n"
+    loads = (
+        zero
+        + f"{pred}ld.global.nc.v4.b32 {{{', '.join(w[:4])}}}, [wpa+{64 * j}];\n"
+        + f"{pred}ld.global.nc.v4.b32 {{{', '.join(w[4:])}}}, [wpb+{64 * j}];\n"
+        + f"{pred}ld.global.nc.u8 s{j}a, [spa+{4 * j}]; {pred}ld.global.nc.u8 s{j}b, [spb+{4 * j}];\n"
+    )
+    compute = _FOLD.format(sa=f"s{j}a", sb=f"s{j}b")
+    for i in range(4):  # word i of the lane's group: inputs 8i .. 8i + 7, loaded where used (L1 hits)
+        compute += ("mov.b32 x0, 0; mov.b32 x1, 0; mov.b32 x2, 0; mov.b32 x3, 0;\n" if pred else "") + (
+            f"{pred}ld.global.nc.v4.b32 {{x0, x1, x2, x3}}, [xp+{256 * j + 16 * i}];\n"
+        )
+        compute += DECODE.format(w=f"w{j}a{i}", p0="a0", p1="a2", p2="b0", p3="b2")
+        compute += DECODE.format(w=f"w{j}b{i}", p0="a1", p1="a3", p2="b1", p3="b3")
+        compute += _FOLD_WORD.format(x0="x0", x1="x1", x2="x2", x3="x3")
+    return loads, compute
+
+
+def mma_rows_fold_ptx(unroll: int) -> str:
+    """`mma_rows_ptx`'s work and operands where the layer's scales fold (`fold_fits`), with loads a warp
+    serves in fewer L1 wavefronts: lane (g, t) takes group n + t whole (16 bytes of rows g and g + 8 in
+    one vector load each, their scale bytes, the group's 64 bytes of inputs), so a warp load covers 64
+    contiguous bytes of each of its 8 rows where the register form's covers 16, and one scale load serves
+    4 groups. The 4 lanes of a row then hold 4 different groups: one MMA sums over them, which only the
+    folded scales allow. `unroll` blocks of 4 groups a step; the last, partial blocks one at a time."""
+    blocks = [_fold_block(j, "") for j in range(unroll)]
+    tail_loads, tail_compute = _fold_block(0, "@q ")
+    regs = "".join(
+        f".reg .b32 w{j}a0, w{j}a1, w{j}a2, w{j}a3, w{j}b0, w{j}b1, w{j}b2, w{j}b3, s{j}a, s{j}b;\n"
+        for j in range(unroll)
+    )
+    advance = "add.s64 wpa, wpa, {b}; add.s64 wpb, wpb, {b}; add.s64 spa, spa, {s}; add.s64 spb, spb, {s};\nadd.s64 xp, xp, {x}; add.s32 n, n, {s};\n"
+    return (
+        """{
+.reg .pred q, qe;
+.reg .b32 tid, lane, warp, g, t, ra, rb, la, lb, n, nt, hi, t0, t1, t2, a0, a1, a2, a3, b0, b1, b2, b3, ha, hb;
+.reg .b32 x0, x1, x2, x3;
+.reg .b16 h0, h1;
+.reg .b64 wpa, wpb, spa, spb, xp, o;
+.reg .f32 e0, e1, e2, e3;
+"""
+        + regs
+        + """mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
+mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $9, 1; min.s32 la, la, ra; sub.s32 lb, $9, 1; min.s32 lb, lb, rb;
+rem.u32 n, warp, $11; mul.lo.u32 n, n, $10; add.u32 n, n, $12; add.u32 hi, n, $10; min.s32 hi, hi, $8;
+add.u32 nt, n, t;
+mul.wide.u32 o, la, $6; add.s64 wpa, $3, o; mul.wide.u32 o, lb, $6; add.s64 wpb, $3, o;
+mul.wide.u32 o, nt, 16; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
+mul.wide.u32 o, la, $7; add.s64 spa, $4, o; mul.wide.u32 o, lb, $7; add.s64 spb, $4, o;
+cvt.u64.u32 o, nt; add.s64 spa, spa, o; add.s64 spb, spb, o;
+mul.wide.u32 o, nt, 64; add.s64 xp, $5, o;
+mov.f32 e0, 0f00000000; mov.f32 e1, 0f00000000; mov.f32 e2, 0f00000000; mov.f32 e3, 0f00000000;
+LOOP${:uid}:
+"""
+        + f"add.s32 t0, n, {4 * unroll}; setp.gt.s32 qe, t0, hi;\n@qe bra.uni TAIL${{:uid}};\n"
+        + "".join(loads for loads, _ in blocks)
+        + "".join(compute for _, compute in blocks)
+        + advance.format(b=64 * unroll, s=4 * unroll, x=256 * unroll)
+        + """bra.uni LOOP${:uid};
+TAIL${:uid}:
+setp.lt.s32 qe, n, hi;
+@!qe bra.uni DONE${:uid};
+add.s32 nt, n, t; setp.lt.s32 q, nt, hi;
+"""
+        + tail_loads
+        + tail_compute
+        + advance.format(b=64, s=4, x=256)
+        + """bra.uni TAIL${:uid};
+DONE${:uid}:
+mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e2;
+}"""
+    )
