@@ -112,11 +112,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-pdl", action="store_true", help="EngineConfig.pdl off (programmatic dependent launch, sm_90+)"
     )
     p.add_argument(
-        "--no-gemv-fold",
-        action="store_true",
-        help="the one-token MXFP4 GEMV's register loop even where the scales fold (mxfp4_moe.GEMV_FOLD)",
-    )
-    p.add_argument(
         "--cublas",
         action="store_true",
         help="the bf16 projections through F.linear at batch 1 too (not the GEMV)",
@@ -147,10 +142,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth() * max(args.tp, args.ep) if DEVICE == "cuda" else None  # (summed over the GPUs)
     t = time.perf_counter()
-    if args.no_gemv_fold:  # (read at each call; worker processes would not see this)
-        from minakv.ops import mxfp4_moe
-
-        mxfp4_moe.GEMV_FOLD = False
     if args.cublas:  # (layers.py looks `linear` up at each call; worker processes would not see this)
         import minakv.model.layers
 

@@ -92,7 +92,7 @@ MMA_GROUPED = [  # mxfp4_mma_grouped.py: row tiles (16 rows) x pair tiles (8 pai
 MMA = [  # the tensor-core GEMV (mxfp4_mma.py): groups a step, split-K for gate/up and down
     (f"gemv mma u{u} split {a},{b}", {"unroll": u, "splits": (a, b)})
     for u, a, b in ((4, 1, 1), (8, 1, 1), (4, 2, 2), (4, 2, 4), (4, 3, 3), (8, 2, 2))
-] + [(f"gemv mma fold u{u}", {"unroll": u, "fold": True}) for u in (4, 8)]  # (the dummy scales fold)
+]
 GEMV_MAX_T = 16
 GROUPED = [
     ("grouped baseline", {"mode": "split"}),

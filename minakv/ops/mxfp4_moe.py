@@ -46,8 +46,6 @@ BF16_ONCE_PER_EXPERT, BF16_ONCE_MAX_BYTES = 512, 2 << 30
 # the tensor-core grouped GEMM (mxfp4_mma_grouped.py) from pairs > experts up to this many pairs an expert,
 # or the second where the scales fold into the weights (there it beats the dot_scaled grouped GEMM up to 128)
 MMA_GROUPED_MAX_PER_EXPERT, MMA_FOLD_MAX_PER_EXPERT = 64, 256
-# the GEMV's loop for layers whose scales fold: a lane loads whole groups (mxfp4_mma_ptx.mma_rows_fold_ptx)
-GEMV_FOLD = True
 
 
 def mma_grouped_fits(x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
@@ -79,7 +77,7 @@ def moe_mxfp4(
     if not use_triton(x):
         return moe_mxfp4_ref(*args)
     if topk_ids.numel() <= w["gate_up_blocks"].shape[0]:  # few pairs next to the experts: each read ~once
-        return moe_mxfp4_gemv(*args, sum_k=sum_k, fold=fold and GEMV_FOLD, **gemv_config(topk_ids.numel()))
+        return moe_mxfp4_gemv(*args, sum_k=sum_k, **gemv_config(topk_ids.numel()))
     num_experts = w["gate_up_blocks"].shape[0]
     most = MMA_FOLD_MAX_PER_EXPERT if fold else MMA_GROUPED_MAX_PER_EXPERT
     if topk_ids.numel() <= most * num_experts and mma_grouped_fits(x, w):
