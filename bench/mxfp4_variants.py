@@ -50,7 +50,7 @@ from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, moe_loop
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
-from minakv.ops.mxfp4_mma import moe_mxfp4_mma
+from minakv.ops.mxfp4_mma import moe_mxfp4_mma, tile_rows
 from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 from minakv.ops.mxfp4_moe import moe_mxfp4_fused
 
@@ -172,6 +172,11 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
     if tokens <= GEMV_MAX_T:
         out += [(name, lambda kw=kw: moe_mxfp4_gemv(*args, **kw), True) for name, kw in GEMV]
         out += [(name, lambda kw=kw: moe_mxfp4_mma(*args, **kw), True) for name, kw in MMA]
+        tiled = (args[0], tile_rows(args[1]), *args[2:])  # (a copy of the layer in the tiled layout)
+        out += [
+            (f"gemv mma tiled u{u}", lambda u=u: moe_mxfp4_mma(*tiled, unroll=u, tiled=True), True)
+            for u in (4, 8)
+        ]
     if tokens >= 8:
         out += [(name, lambda kw=kw: moe_mxfp4_mma_grouped(*args, **kw), True) for name, kw in MMA_GROUPED]
     if GEMV_MAX_T < tokens <= DECODE_MAX_T:  # beyond, the GEMV's reads alone

@@ -272,6 +272,8 @@ def _mxfp4_mma() -> None:
     moe_mxfp4_mma(*_mxfp4_layer(1))
     moe_mxfp4_mma(*_mxfp4_layer(1, hidden=96, inter=160), sum_k=False, unroll=8)  # 3 and 5 groups: tails
     moe_mxfp4_mma(*_mxfp4_layer(1), sum_k=False, splits=(2, 3))  # split-K: partials, the pair-order finish
+    for unroll in (4, 8):  # the tiled layout's loop (mxfp4_mma.tile_rows)
+        moe_mxfp4_mma(*_mxfp4_layer(1), unroll=unroll, tiled=True)
 
 
 @case("mxfp4_mma_grouped")

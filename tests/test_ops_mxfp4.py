@@ -310,6 +310,40 @@ def test_pair_order(dtype: torch.dtype) -> None:
     assert rows.shape == (9, 2880) and torch.equal(rows[:6], ref[order // 2]) and not rows[6:].any()
 
 
+def test_tile_rows_layout() -> None:
+    """tile_rows against its stated layout, byte by byte: row r, group j of expert e at
+    e R G 16 + (r // 16) G 256 + j 256 + (r % 16) 16 (blocks), e R G + (r // 16) G 16 + j 16 + r % 16
+    (scales), so a program's first row sits where the checkpoint's layout has it."""
+    from minakv.ops.mxfp4_mma import tile_rows
+
+    e, i, h = 2, 48, 96
+    gen = torch.Generator().manual_seed(0)
+    w = {
+        "gate_up_blocks": torch.randint(0, 256, (e, 2 * i, h // 32, 16), generator=gen, dtype=torch.uint8),
+        "gate_up_scales": torch.randint(0, 256, (e, 2 * i, h // 32), generator=gen, dtype=torch.uint8),
+        "down_blocks": torch.randint(0, 256, (e, h, i // 32, 16), generator=gen, dtype=torch.uint8),
+        "down_scales": torch.randint(0, 256, (e, h, i // 32), generator=gen, dtype=torch.uint8),
+    }
+    tiled = tile_rows(w)
+    for name in ("gate_up", "down"):
+        blocks, scales = w[f"{name}_blocks"], w[f"{name}_scales"]
+        flat_b, flat_s = tiled[f"{name}_blocks"].reshape(-1), tiled[f"{name}_scales"].reshape(-1)
+        assert tiled[f"{name}_blocks"].shape == blocks.shape and tiled[f"{name}_scales"].shape == scales.shape
+        _, rows, groups, _ = blocks.shape
+        for ex, r, j in [(ex, r, j) for ex in range(e) for r in range(rows) for j in range(groups)]:
+            at = ex * rows * groups * 16 + (r // 16) * groups * 256 + j * 256 + (r % 16) * 16
+            assert torch.equal(flat_b[at : at + 16], blocks[ex, r, j])
+            assert flat_s[ex * rows * groups + (r // 16) * groups * 16 + j * 16 + r % 16] == scales[ex, r, j]
+    with pytest.raises(ValueError, match="rows"):
+        tile_rows(
+            {
+                **w,
+                "gate_up_blocks": w["gate_up_blocks"][:, :80],
+                "gate_up_scales": w["gate_up_scales"][:, :80],
+            }
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
@@ -322,7 +356,7 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
     for these inputs' range, so within fp32 summation error of the reference): 3 and 5 groups (tails of the
     unrolled step and of the warps' shares; H = 96 and I = 160 rows end inside a warp's rows, which then
     moves back), gpt-oss's 90 groups; 48 and 160 pairs over 3 and 4 experts (full and partial pair tiles)."""
-    from minakv.ops.mxfp4_mma import moe_mxfp4_mma
+    from minakv.ops.mxfp4_mma import moe_mxfp4_mma, tile_rows
     from minakv.ops.mxfp4_mma_grouped import fold_fits, moe_mxfp4_mma_grouped
 
     args, ref = case("swiglu_oai", t, e=e, h=h, i=i, seed=t + h)
@@ -333,8 +367,14 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
         for a in args
     ]
     tol = {"rtol": 2e-3, "atol": 2e-3 * float(ref.abs().max())}
-    for unroll, splits in ((4, (1, 1)), (8, (2, 3)), (4, (3, 4))):  # split-K 4 over 5 groups: one split empty
-        parts = moe_mxfp4_mma(*args, sum_k=False, unroll=unroll, splits=splits)
+    tiled = [args[0], tile_rows(args[1]), *args[2:]]  # the same weights in the tiled layout
+    # split-K 4 over 5 groups: one split empty
+    cases = ((4, (1, 1), False), (8, (2, 3), False), (4, (3, 4), False), (4, (1, 1), True), (8, (2, 3), True),
+             (4, (3, 4), True))  # fmt: skip
+    for unroll, splits, tile in cases:
+        parts = moe_mxfp4_mma(
+            *(tiled if tile else args), sum_k=False, unroll=unroll, splits=splits, tiled=tile
+        )
         assert parts.shape == (t, 2 * splits[1], h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
     assert fold_fits(args[1])  # the folded scales' range: quantize_mxfp4 of unit-scale weights is inside

@@ -36,14 +36,15 @@ mov.b32 fb, sb{j}; @{p}fma.rn.f32 e0, c0, fa, e0; @{p}fma.rn.f32 e2, c2, fb, e2;
 """
 
 
-def _step(unroll: int, tail: bool) -> str:
-    """One unrolled step of `unroll` groups: loads, then decode and MMAs (tail: each group predicated)."""
+def _step(unroll: int, tail: bool, gb: int, sgb: int) -> str:
+    """One unrolled step of `unroll` groups: loads, then decode and MMAs (tail: each group predicated).
+    gb / sgb: bytes from one group of a row to the next, in the blocks / the scales."""
     out = ""
     for j in range(unroll):
         p = f"q{j} " if tail else "qt "  # qt: always true
         if tail:
             out += f"add.s32 n{j}, n, {j}; setp.lt.s32 q{j}, n{j}, hi;\n"
-        out += _LOAD.format(j=j, p=p, w=16 * j, s=j, x=64 * j)
+        out += _LOAD.format(j=j, p=p, w=gb * j, s=sgb * j, x=64 * j)
     for j in range(unroll):
         p = f"q{j} " if tail else "qt "
         out += DECODE.format(w=f"wa{j}", p0="a0", p1="a2", p2="b0", p3="b2")
@@ -52,13 +53,14 @@ def _step(unroll: int, tail: bool) -> str:
     return out
 
 
-def mma_rows_ptx(unroll: int) -> str:
+def mma_rows_ptx(unroll: int, tiled: bool = False) -> str:
     """The PTX of one lane's work, `unroll` groups a step. Operands: $0 the lane, $1 / $2 its warp's partial
     sums over the warp's share of the groups for rows g and g + 8 (g = lane / 4) of C column 2t (t = lane %
     4: the pair's column 0 is t = 0's); $3 first row's bytes, $4 its scales, $5 this lane's column's fp16
     inputs (pair order), $6 / $7 bytes per row of blocks / scales, $12 / $8 first and end group, $9 rows
     left from the first, $10 groups per warp, $11 warps per row set (warp w takes share w % $11). Rows
-    past the last read the last row."""
+    past the last read the last row. tiled: the weights in `tile_rows`'s layout ($6 = 16, $7 = 1)."""
+    gb, sgb = (256, 16) if tiled else (16, 1)
     regs = "".join(
         f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
         for j in range(unroll)
@@ -77,26 +79,26 @@ mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $9, 1; min.s32 la, la, ra; sub.s32 
 setp.eq.u32 qt, g, g;
 rem.u32 n, warp, $11; mul.lo.u32 n, n, $10; add.u32 n, n, $12; add.u32 hi, n, $10; min.s32 hi, hi, $8;
 mul.wide.u32 o, la, $6; add.s64 wpa, $3, o; mul.wide.u32 o, lb, $6; add.s64 wpb, $3, o;
-mul.wide.u32 o, n, 16; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
+mul.wide.u32 o, n, {gb}; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
 mul.wide.u32 o, t, 4; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
 mul.wide.u32 o, la, $7; add.s64 spa, $4, o; mul.wide.u32 o, lb, $7; add.s64 spb, $4, o;
-cvt.u64.u32 o, n; add.s64 spa, spa, o; add.s64 spb, spb, o;
+mul.wide.u32 o, n, {sgb}; add.s64 spa, spa, o; add.s64 spb, spb, o;
 mul.wide.u32 o, t, 16; add.s64 xp, $5, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
 mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e2, 0f00000000;
 LOOP${:uid}:
-"""
+""".replace("{gb}", str(gb)).replace("{sgb}", str(sgb))
         + f"""add.s32 n0, n, {unroll}; setp.gt.s32 qe, n0, hi;
 @qe bra.uni TAIL${{:uid}};
 """
-        + _step(unroll, tail=False)
-        + f"""add.s32 n, n, {unroll}; add.s64 wpa, wpa, {16 * unroll}; add.s64 wpb, wpb, {16 * unroll};
-add.s64 spa, spa, {unroll}; add.s64 spb, spb, {unroll}; add.s64 xp, xp, {64 * unroll};
+        + _step(unroll, tail=False, gb=gb, sgb=sgb)
+        + f"""add.s32 n, n, {unroll}; add.s64 wpa, wpa, {gb * unroll}; add.s64 wpb, wpb, {gb * unroll};
+add.s64 spa, spa, {sgb * unroll}; add.s64 spb, spb, {sgb * unroll}; add.s64 xp, xp, {64 * unroll};
 bra.uni LOOP${{:uid}};
 TAIL${{:uid}}:
 setp.lt.s32 qe, n, hi;
 @!qe bra.uni DONE${{:uid}};
 """
-        + _step(unroll, tail=True)
+        + _step(unroll, tail=True, gb=gb, sgb=sgb)
         + """DONE${:uid}:
 mov.b32 $0, lane; mov.b32 $1, e0; mov.b32 $2, e2;
 }"""
