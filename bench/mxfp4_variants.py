@@ -190,6 +190,11 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
         ]
     if tokens >= 8:
         out += [(name, lambda kw=kw: moe_mxfp4_mma_grouped(*args, **kw), True) for name, kw in MMA_GROUPED]
+        out += [  # the same over mxfp4_mma.tile_rows's layout
+            (f"{name} tiled", lambda kw=kw: moe_mxfp4_mma_grouped(*tiled(args), **kw, tiled=True), True)
+            for name, kw in MMA_GROUPED
+            if kw["nt"] in (1, 2) and kw["mr"] == 2
+        ]
     if GEMV_MAX_T < tokens <= DECODE_MAX_T:  # beyond, the GEMV's reads alone
         out += [(f"gemv stream-only bn{n} g{g} w{wp}", lambda n=n, g=g, wp=wp: stream(args[1], args[3], n, g, wp),
                  True) for n, g, wp in STREAM]  # fmt: skip

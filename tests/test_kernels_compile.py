@@ -286,6 +286,7 @@ def _mxfp4_mma_grouped() -> None:
     moe_mxfp4_mma_grouped(
         *_mxfp4_layer(16), sum_k=False, mr=2, nt=4, unroll=2, fold=True
     )  # scales in the MMA's A
+    moe_mxfp4_mma_grouped(*_mxfp4_layer(16), sum_k=False, tiled=True)  # mxfp4_mma.tile_rows's layout
 
 
 @case("mxfp4_fused-split_k")

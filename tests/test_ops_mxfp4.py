@@ -378,9 +378,11 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
         assert parts.shape == (t, 2 * splits[1], h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
     assert fold_fits(args[1])  # the folded scales' range: quantize_mxfp4 of unit-scale weights is inside
-    for mr, nt, unroll, fold in ((4, 4, 2, False), (2, 1, 4, False), (2, 2, 1, False), (4, 8, 1, False),
-                                 (2, 4, 2, True), (2, 1, 4, True)):  # fmt: skip
-        parts = moe_mxfp4_mma_grouped(*args, sum_k=False, mr=mr, nt=nt, unroll=unroll, fold=fold)
+    for mr, nt, unroll, fold, tile in ((4, 4, 2, False, False), (2, 1, 4, False, False), (2, 2, 1, False, False),
+                                       (4, 8, 1, False, False), (2, 4, 2, True, False), (2, 1, 4, True, False),
+                                       (4, 4, 2, False, True), (2, 1, 4, True, True)):  # fmt: skip
+        parts = moe_mxfp4_mma_grouped(*(tiled if tile else args), sum_k=False, mr=mr, nt=nt, unroll=unroll,
+                                      fold=fold, tiled=tile)  # fmt: skip
         assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
 
