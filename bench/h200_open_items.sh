@@ -26,7 +26,7 @@
 #   pdl       issue 12: gpt-oss-120b (dummy) and 20b decode at batch 1 and 64, without then with EngineConfig.pdl ~300 s
 #   cublas    issue 12: gpt-oss-20b and 120b (dummy) at batch 1, the bf16 projections' GEMV then cuBLAS   ~200 s
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
-#   tiled     issue 12: the one-token MXFP4 GEMV over weights in mxfp4_mma.tile_rows's layout, kernels alone (err column) ~60 s
+#   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens) and grouped GEMM (64) over mxfp4_mma.tile_rows's layout, kernels (err column) ~120 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
 # bench/serve_replay.sh) for `serve`; the other steps need no tokenizer.
@@ -77,7 +77,8 @@ for step in $STEPS; do
                     --kv-tokens 60000 $([ $proj = cublas ] && echo --cublas)
                 mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_${model}_$proj.json"
             done; done ;;
-        tiled) timeout 120 python3 bench/mxfp4_variants.py --tokens 1,4 --only "gemv mma u4 split 1,gemv mma tiled" \
+        tiled) timeout 200 python3 bench/mxfp4_variants.py --tokens 1,4,64 \
+                --only "gemv mma u4 split 1,gemv mma tiled,mma grouped mr2 nt1,mma grouped mr2 nt2" \
                 --out "$OUT/variants_tiled.json" ;;
         sort) timeout 120 python3 bench/moe_variants.py --tokens 64,256,512,1024 --only none --budget 0 \
             --out "$OUT/moe_sort.json" ;;
