@@ -55,8 +55,12 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
     `mul.rn.f16x2` (exact for scale bytes in FOLD_RANGE, `fold_fits`) and accumulate in the MMAs' own C,
     instead of 4 fp32 FMAs per MMA pair (2 a row tile per pair tile per group). tiled: the weights in
     mxfp4_mma.tile_rows's layout (an experiment; rows, warp_rows and row_offs multiples of 16)."""
-    # bytes from a row to the next, from a group to the next: blocks, scales (inside a tile when tiled)
+    # bytes from a row to the next, from a group to the next: blocks, scales (inside a tile when tiled; the
+    # warp's first row r is then its tile's, and row g of the tile is 16 g bytes on, its scales g)
     rb, gb, rs, gs = (16, 256, 1, 16) if tiled else (stride_bn, 16, stride_sn, 1)
+    in_tile = (
+        "mul.wide.u32 o, g, 16; add.s64 wp, wp, o; cvt.u64.u32 o, g; add.s64 sp, sp, o;\n" if tiled else ""
+    )
     n_out = 1 + 4 * mr * nt
     wb, sb, xb, r0 = (f"${n_out + j}" for j in range(4))
     regs = [f"w{i}a{j}, w{i}b{j}, s{i}a{j}, s{i}b{j}" for i in range(mr) for j in range(unroll)]
@@ -119,11 +123,10 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
         + "".join(f".reg .b32 {r};\n" for r in regs)
         + "".join(f".reg .f32 {a};\n" for a in acc)
         + f"""mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
-mul.lo.u32 r, warp, {warp_rows}; add.u32 r, r, {r0}; min.s32 r, r, {last_row};
-mul.wide.u32 o, r, {stride_bn}; add.s64 wp, {wb}, o; mul.wide.u32 o, g, {rb}; add.s64 wp, wp, o;
-mul.wide.u32 o, t, 4; add.s64 wp, wp, o;
-mul.wide.u32 o, r, {stride_sn}; add.s64 sp, {sb}, o; mul.wide.u32 o, g, {rs}; add.s64 sp, sp, o;
-mul.wide.u32 o, g, {x_row}; add.s64 xp, {xb}, o; mul.wide.u32 o, t, 16; add.s64 xp, xp, o;
+mul.lo.u32 r, warp, {warp_rows}; add.u32 r, r, {r0}; min.s32 r, r, {last_row};{"" if tiled else " add.u32 r, r, g;"}
+mul.wide.u32 o, r, {stride_bn}; add.s64 wp, {wb}, o; mul.wide.u32 o, t, 4; add.s64 wp, wp, o;
+mul.wide.u32 o, r, {stride_sn}; add.s64 sp, {sb}, o;
+{in_tile}mul.wide.u32 o, g, {x_row}; add.s64 xp, {xb}, o; mul.wide.u32 o, t, 16; add.s64 xp, xp, o;
 mov.b32 z, 0;
 """
         + "".join(f"mov.f32 {a}, 0f00000000;\n" for a in acc)

@@ -82,11 +82,13 @@ mul.wide.u32 o, la, $6; add.s64 wpa, $3, o; mul.wide.u32 o, lb, $6; add.s64 wpb,
 mul.wide.u32 o, n, {gb}; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
 mul.wide.u32 o, t, 4; add.s64 wpa, wpa, o; add.s64 wpb, wpb, o;
 mul.wide.u32 o, la, $7; add.s64 spa, $4, o; mul.wide.u32 o, lb, $7; add.s64 spb, $4, o;
-mul.wide.u32 o, n, {sgb}; add.s64 spa, spa, o; add.s64 spb, spb, o;
+{first_scale}; add.s64 spa, spa, o; add.s64 spb, spb, o;
 mul.wide.u32 o, t, 16; add.s64 xp, $5, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
 mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e2, 0f00000000;
 LOOP${:uid}:
-""".replace("{gb}", str(gb)).replace("{sgb}", str(sgb))
+""".replace("{gb}", str(gb)).replace(
+            "{first_scale}", f"mul.wide.u32 o, n, {sgb}" if tiled else "cvt.u64.u32 o, n"
+        )
         + f"""add.s32 n0, n, {unroll}; setp.gt.s32 qe, n0, hi;
 @qe bra.uni TAIL${{:uid}};
 """
