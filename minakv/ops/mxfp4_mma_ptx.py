@@ -1,11 +1,11 @@
 """The inline PTX of the one-token tensor-core GEMV's loop (mxfp4_mma.py).
 
-`mma_rows_ptx`: a lane loads a step's words, scales and inputs into registers (4 groups, or 8) and waits
-for them before its MMAs. So a warp has one step (32 bytes a lane) in flight: with 45 groups a warp
-(gpt-oss gate/up) that is 11-12 round trips to DRAM in a row, and the kernel reads its 34 MB at ~35-54% of
-the copy bandwidth where a plain read reaches 85% (bench/RESULTS.md, "Tensor-core GEMV"). Streaming each
-warp's rows through a `cp.async` ring in shared memory instead (3-5 steps in flight, no registers held)
-was slower on the H100 (gate/up 26.4 against 21.5 us a layer; "cp.async ring" in RESULTS.md).
+`mma_rows_ptx`: a lane loads a step's words, scales and inputs into registers (4 groups, or 8), then
+decodes and runs its MMAs. The kernel reads at ~34% of the copy bandwidth at one token on the H100, where a
+plain read reaches 85%; more loads in flight a warp (a `cp.async` ring in shared memory; 8 groups a step
+with the inputs loaded late) and fewer L1 wavefronts (whole groups a lane) did not change that
+(docs/kernels.md, bench/RESULTS.md). `tiled` reads `mxfp4_mma.tile_rows`'s layout, where a warp load is one
+128-byte line instead of 16 bytes of 8 rows: the experiment that tests the DRAM side.
 """
 
 from __future__ import annotations
