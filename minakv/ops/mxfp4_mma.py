@@ -47,7 +47,7 @@ MMA_ROWS_T8 = tl.constexpr(mma_rows_ptx(8, tiled=True))
 @triton.jit
 def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
               UNROLL: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
-    """The work of MMA_ROWS_U4/U8 for this program's warps -> (lane [32], [WARPS, 32] partial sums of rows
+    """The work of MMA_ROWS_U4/U8 (T4/T8: tiled) for this program's warps -> (lane [32], [WARPS, 32] partial sums of rows
     g and g + 8, `mxfp4_mma_ptx.mma_rows_ptx`). w_rows / s_rows / x_rows: [32 * WARPS] pointers, one per thread (the
     first weight row, its scales, the thread's column's inputs); the warps form SETS row sets (the warps of
     a set split its groups). One element per thread, so lane l of warp w is element 32 w + l."""

@@ -61,6 +61,7 @@ def mma_rows_ptx(unroll: int, tiled: bool = False) -> str:
     left from the first, $10 groups per warp, $11 warps per row set (warp w takes share w % $11). Rows
     past the last read the last row. tiled: the weights in `tile_rows`'s layout ($6 = 16, $7 = 1)."""
     gb, sgb = (256, 16) if tiled else (16, 1)
+    first_scale = f"mul.wide.u32 o, n, {sgb}" if tiled else "cvt.u64.u32 o, n"  # o = n * sgb
     regs = "".join(
         f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
         for j in range(unroll)
@@ -74,7 +75,7 @@ def mma_rows_ptx(unroll: int, tiled: bool = False) -> str:
 .reg .f32 c0, c1, c2, c3, e0, e2, fa, fb;
 """
         + regs
-        + """mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
+        + f"""mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
 mov.u32 ra, g; add.u32 rb, g, 8; sub.s32 la, $9, 1; min.s32 la, la, ra; sub.s32 lb, $9, 1; min.s32 lb, lb, rb;
 setp.eq.u32 qt, g, g;
 rem.u32 n, warp, $11; mul.lo.u32 n, n, $10; add.u32 n, n, $12; add.u32 hi, n, $10; min.s32 hi, hi, $8;
@@ -85,10 +86,8 @@ mul.wide.u32 o, la, $7; add.s64 spa, $4, o; mul.wide.u32 o, lb, $7; add.s64 spb,
 {first_scale}; add.s64 spa, spa, o; add.s64 spb, spb, o;
 mul.wide.u32 o, t, 16; add.s64 xp, $5, o; mul.wide.u32 o, n, 64; add.s64 xp, xp, o;
 mov.b32 z, 0; mov.f32 e0, 0f00000000; mov.f32 e2, 0f00000000;
-LOOP${:uid}:
-""".replace("{gb}", str(gb)).replace(
-            "{first_scale}", f"mul.wide.u32 o, n, {sgb}" if tiled else "cvt.u64.u32 o, n"
-        )
+LOOP${{:uid}}:
+"""
         + f"""add.s32 n0, n, {unroll}; setp.gt.s32 qe, n0, hi;
 @qe bra.uni TAIL${{:uid}};
 """
