@@ -149,12 +149,14 @@ def _add_rms_norm() -> None:
 
 @case("route_fused")
 def _route_fused() -> None:
-    """GPT-OSS routing in one launch: 20b's 32 experts and 120b's 128, decode batches 1 and 256."""
+    """GPT-OSS routing in two launches: 20b's 32 experts and 120b's 128, decode batches 1 and 256; at one
+    token also writing x in pair order (the tensor-core GEMV's input)."""
     from minakv.ops.routing import route_softmax_topk_fused
 
     for tokens, experts in ((1, 32), (256, 32), (64, 128)):
         weight, bias = torch.randn(experts, 2880).to(BF16), torch.randn(experts).to(BF16)
-        route_softmax_topk_fused(torch.randn(tokens, 2880).to(BF16), weight, bias, 4)
+        pair_out = torch.empty(tokens, 2880, dtype=torch.float16) if tokens == 1 else None
+        route_softmax_topk_fused(torch.randn(tokens, 2880).to(BF16), weight, bias, 4, pair_out)
 
 
 @case("route_sigmoid_fused")

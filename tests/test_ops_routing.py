@@ -44,6 +44,27 @@ def test_fused_routing_matches_torch(tokens, hidden, experts, k, dtype):
     assert torch.allclose(weights.sum(-1), torch.ones(tokens))
 
 
+@pytest.mark.parametrize(
+    "tokens,hidden,dtype", [(1, 64, torch.float32), (17, 2880, torch.bfloat16), (3, 1000, torch.bfloat16)]
+)
+@interpreted
+def test_fused_routing_writes_pair_order(tokens, hidden, dtype):
+    """`pair_out`: x as the tensor-core MXFP4 GEMV reads it (within each 8 inputs 0 2 4 6 1 3 5 7, fp16, held
+    at +-65504), written by the router's first kernel across its splits; the routing itself unchanged."""
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    x[0, 5] = 1e6  # beyond fp16: saturates, not inf
+    w = (torch.randn(32, hidden, generator=g) / hidden**0.5).to(dtype)
+    out = torch.full((tokens, hidden), float("nan"), dtype=torch.float16)
+    weights, ids = route_softmax_topk_fused(x, w, None, 4, pair_out=out)
+    ref = x.double().clamp(-65504, 65504).view(tokens, hidden // 8, 8)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]]
+    assert torch.equal(out, ref.reshape(tokens, hidden).to(torch.float16))
+    ref_w, ref_ids = route_softmax_topk_fused(x, w, None, 4)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+    with pytest.raises(ValueError, match="pair_out"):
+        route_softmax_topk_fused(x, w, None, 4, pair_out=out.float())
+
+
 @interpreted
 def test_fused_routing_no_bias_and_empty():
     x = torch.randn(4, 64)

@@ -20,7 +20,7 @@ from minakv.model.config import ModelConfig
 from minakv.model.layers import CausalLM
 from minakv.ops.moe import moe, route_softmax_topk
 from minakv.ops.mxfp4_mma_grouped import fold_fits
-from minakv.ops.mxfp4_moe import moe_mxfp4
+from minakv.ops.mxfp4_moe import moe_mxfp4, takes_pair_order
 from minakv.ops.routing import FUSED_MAX_TOKENS, route_softmax_topk_fused
 from minakv.ops.triton_util import use_triton
 from minakv.parallel.experts import run_experts
@@ -67,11 +67,22 @@ class GptOssExperts(nn.Module):
         into its weights (every scale byte in its exact range; a host sync, so before any CUDA graph)."""
         self.fold = self.packed and fold_fits(self.mxfp4)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x16: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x16: x in pair order for the packed GEMV, if the router wrote it (GptOssMoE)."""
         args = {"activation": "swiglu_oai", "limit": self.limit, "alpha": self.alpha, "sum_k": self.sum_k}
         if self.packed:
             return moe_mxfp4(
-                x, self.mxfp4, weights, ids, self.gate_up_bias, self.down_bias, fold=self.fold, **args
+                x,
+                self.mxfp4,
+                weights,
+                ids,
+                self.gate_up_bias,
+                self.down_bias,
+                fold=self.fold,
+                x16=x16,
+                **args,
             )
         return moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias, **args)
 
@@ -87,8 +98,16 @@ class GptOssMoE(nn.Module):
         self.experts.sum_k = parallel.tp > 1 or parallel.ep > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x) and x.shape[0] <= FUSED_MAX_TOKENS:  # decode: one launch instead of four
-            weights, ids = route_softmax_topk_fused(x, self.router.weight, self.router.bias, self.top_k)
+        if use_triton(x) and x.shape[0] <= FUSED_MAX_TOKENS:  # decode: two launches instead of four
+            # Alone on its GPU, where the packed experts take the tensor-core GEMV, the router's kernel also
+            # writes x as that GEMV reads it (mxfp4_order.py): one launch fewer a layer.
+            alone = self.experts.packed and self.parallel.world == 1
+            x16 = None
+            if alone and takes_pair_order(x, x.shape[0] * self.top_k, self.num_experts):
+                x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+            weights, ids = route_softmax_topk_fused(x, self.router.weight, self.router.bias, self.top_k, x16)
+            if x16 is not None:
+                return self.experts(x, weights, ids, x16)
         else:
             weights, ids = route_softmax_topk(self.router(x), self.top_k)
         return run_experts(self.experts, x, weights, ids, self.num_experts, self.parallel)

@@ -42,8 +42,8 @@ from minakv.ops.triton_util import interpreting, ptx_loads_ok
 
 def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                    limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int = 16, groups: int = 8,
-                   num_warps: int = 4, splits: int = 1, x_in_asm: bool = False,
-                   mma: bool = False) -> torch.Tensor:  # fmt: skip
+                   num_warps: int = 4, splits: int = 1, x_in_asm: bool = False, mma: bool = False,
+                   x16: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype (sum_k=False: the k
     parts [T, k, H] in fp32), the experts packed (moe_mxfp4's arguments). block_n rows and `groups` groups
     of 32 inputs per program and step are for benchmarks and tests (powers of two). splits: programs along
@@ -52,11 +52,12 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     x_in_asm: the PTX block loads each word's inputs itself (bf16 activations on the GPU): 8% faster at one
     token's pairs with 4 x 32 strips, no gain elsewhere (mxfp4_moe.gemv_config). Rows in expert order (so
     that an expert's repeat reads hit L2) were tried and lost at 1, 8 and 64 tokens (bench/RESULTS.md).
-    mma: the tensor-core GEMV of mxfp4_mma.py instead (compiled runs only; mxfp4_moe.gemv_config)."""
+    mma: the tensor-core GEMV of mxfp4_mma.py instead (compiled runs only; mxfp4_moe.gemv_config), which
+    reads x16 if given (x in pair order, mxfp4_order.py)."""
     _, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     if mma and not interpreting():
         return moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha,
-                             sum_k=sum_k)  # fmt: skip
+                             sum_k=sum_k, x16=x16)  # fmt: skip
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     x = x.contiguous()

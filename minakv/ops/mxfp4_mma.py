@@ -183,12 +183,13 @@ def _down_mma(
 
 def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                   limit=7.0, alpha=1.702, *, sum_k: bool = True, unroll: int = 4, tiled: bool = False,
-                  splits: tuple[int, int] = (1, 1)) -> torch.Tensor:  # fmt: skip
+                  splits: tuple[int, int] = (1, 1), x16: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments) from the tensor-core GEMV above (CUDA only).
     unroll: groups a step (4 or 8). splits: programs along the input for gate/up and for down (split-K:
     more, shorter chains of loads); gate/up's partials are summed by mxfp4_gemv.finish_gate_up, down's
     come back as extra parts (sum_k=False: [T, k * splits, H]) or are summed here. tiled: the weights are
-    in `tile_rows`'s layout (an experiment: bench/mxfp4_variants.py)."""
+    in `tile_rows`'s layout (an experiment: bench/mxfp4_variants.py). x16: `pair_order(x)` if already made
+    (the router's first kernel writes it, routing.py)."""
     from minakv.ops.mxfp4_gemv import finish_gate_up  # here: mxfp4_gemv imports this module
 
     num_tokens, k = topk_ids.shape
@@ -198,7 +199,7 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     inter = gub.shape[1] // 2
     ids = topk_ids.reshape(-1).contiguous()
     dummy = ids
-    x16 = pair_order(x)
+    x16 = pair_order(x) if x16 is None else x16
     gu_splits, d_splits = splits
     h = torch.empty(num_pairs, inter, dtype=torch.float16, device=x.device)
     partial = (

@@ -68,16 +68,18 @@ def moe_mxfp4(
     alpha: float = 1.702,
     sum_k: bool = True,
     fold: bool = False,
+    x16: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype, the experts packed.
     sum_k=False lets the decode kernel return its k parts [T, k, H] fp32 (see `moe`). fold: every scale
     byte of the layer is in mxfp4_mma_grouped.FOLD_RANGE (`fold_fits`, decided once at load), so the
-    grouped tensor-core GEMM may fold the scales into the weights."""
+    grouped tensor-core GEMM may fold the scales into the weights. x16: x already in pair order
+    (`takes_pair_order`: the router wrote it), for the tensor-core GEMV."""
     args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if not use_triton(x):
         return moe_mxfp4_ref(*args)
-    if topk_ids.numel() <= w["gate_up_blocks"].shape[0]:  # few pairs next to the experts: each read ~once
-        return moe_mxfp4_gemv(*args, sum_k=sum_k, **gemv_config(topk_ids.numel()))
+    if takes_gemv(topk_ids.numel(), w["gate_up_blocks"].shape[0]):
+        return moe_mxfp4_gemv(*args, sum_k=sum_k, x16=x16, **gemv_config(topk_ids.numel()))
     num_experts = w["gate_up_blocks"].shape[0]
     most = MMA_FOLD_MAX_PER_EXPERT if fold else MMA_GROUPED_MAX_PER_EXPERT
     if topk_ids.numel() <= most * num_experts and mma_grouped_fits(x, w):
@@ -87,6 +89,17 @@ def moe_mxfp4(
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
         return moe_mxfp4_fused(*args, sum_k=sum_k)
     return moe_mxfp4_grouped(*args, mode=prefill_mode(topk_ids.numel(), x, w))
+
+
+def takes_gemv(num_pairs: int, num_experts: int) -> bool:
+    """Few pairs next to the experts (each expert read about once): `moe_mxfp4_gemv`."""
+    return num_pairs <= num_experts
+
+
+def takes_pair_order(x: torch.Tensor, num_pairs: int, num_experts: int) -> bool:
+    """Does `moe_mxfp4` read x through `pair_order` (the tensor-core GEMV, compiled runs)? Then the router can
+    write that copy instead (routing.py `pair_out`), one launch fewer a layer."""
+    return use_triton(x) and not interpreting() and takes_gemv(num_pairs, num_experts)
 
 
 def gemv_config(num_pairs: int) -> dict:

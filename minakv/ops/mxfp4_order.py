@@ -8,8 +8,9 @@ order of k, so the activations only have to follow it: within each 8 inputs they
                                                         MMA 1        MMA 2
 
 and a lane's one 16-byte load is its B fragments. `pair_order` writes x that way (one launch, also
-gathering the rows of pairs sorted by expert for the grouped kernels); gate/up writes h straight in it
-(`pair_position`), so down reads h as it is.
+gathering the rows of pairs sorted by expert for the grouped kernels), or the router's first kernel does
+on the way (routing.py, `pair_out`); gate/up writes h straight in it (`pair_position`), so down reads h as
+it is.
 """
 
 from __future__ import annotations
@@ -65,8 +66,13 @@ def _pair_order_kernel(x_ptr, order_ptr, out_ptr, K, stride_x, num_rows, TOPK, H
     v = tl.load(x_ptr + x_row.to(tl.int64) * stride_x + src, mask=ok, other=0.0)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    v = tl.minimum(tl.maximum(v.to(tl.float32), -65504.0), 65504.0)
-    tl.store(out_ptr + row.to(tl.int64) * K + offs, v.to(tl.float16), mask=offs < K)
+    tl.store(out_ptr + row.to(tl.int64) * K + offs, saturate_f16(v), mask=offs < K)
+
+
+@triton.jit
+def saturate_f16(v):
+    """v as fp16, values beyond its range held at +-65504 (not inf: a bf16 activation may exceed it)."""
+    return tl.minimum(tl.maximum(v.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
 @triton.jit

@@ -6,6 +6,8 @@ Here the router ([E, H], a few hundred KB) is cut along H into slices spread ove
 one token keeps many SMs reading:
 
     _route_partial  program (block of 16 tokens, split s): fp32 logits of its slices of H -> partial[s]
+                    (and, asked for `pair_out`, those slices of x as the tensor-core MXFP4 GEMV reads
+                    them, mxfp4_order.py: every input is loaded here anyway, and it saves that launch)
     _route_finish   program (one token): sum its splits (one load), add the bias, round to the
                     activations' dtype exactly as the GEMM's output is rounded, pick the k largest by k
                     rounds of (max, first index of it, mask it out), then the weights of those k:
@@ -24,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minakv.ops.mxfp4_order import pair_position, saturate_f16
 from minakv.ops.triton_util import check, interpreting, pdl_options
 
 FUSED_MAX_TOKENS = 512
@@ -36,9 +39,11 @@ def route_softmax_topk_fused(
     weight: torch.Tensor,  # [E, H]
     bias: torch.Tensor | None,  # [E]
     k: int,
+    pair_out: torch.Tensor | None = None,  # [T, H] fp16
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] f32, ids [T, k] int64), as `route_softmax_topk(F.linear(x, weight, bias), k)`."""
-    return _route(x, weight, bias, k, sigmoid=False)
+    """(weights [T, k] f32, ids [T, k] int64), as `route_softmax_topk(F.linear(x, weight, bias), k)`. With
+    `pair_out`, also writes `mxfp4_order.pair_order(x)` into it (no extra launch)."""
+    return _route(x, weight, bias, k, sigmoid=False, pair_out=pair_out)
 
 
 def route_sigmoid_bias_fused(
@@ -51,11 +56,17 @@ def route_sigmoid_bias_fused(
     return _route(x, weight, correction_bias, k, sigmoid=True)
 
 
-def _route(x, weight, bias, k: int, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _route(x, weight, bias, k: int, sigmoid: bool, pair_out: torch.Tensor | None = None):
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     check(weight.shape == (num_experts, hidden), f"router weight {tuple(weight.shape)}, x {tuple(x.shape)}")
     check(0 < k <= num_experts, f"top-k {k} of {num_experts} experts")
+    check(
+        pair_out is None
+        or (pair_out.shape == x.shape and pair_out.dtype == torch.float16 and pair_out.is_contiguous())
+        and hidden % 8 == 0,
+        f"pair_out: a contiguous fp16 tensor of x's shape {tuple(x.shape)}, a multiple of 8 wide",
+    )
     x, weight = x.contiguous(), weight.contiguous()
     weights = torch.empty(num_tokens, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, k, dtype=torch.int64, device=x.device)
@@ -69,8 +80,9 @@ def _route(x, weight, bias, k: int, sigmoid: bool) -> tuple[torch.Tensor, torch.
     splits = triton.cdiv(slices, per_split)
     partial = torch.empty(splits, blocks * BLOCK_T, e_pad, dtype=torch.float32, device=x.device)
     _route_partial[(blocks, splits)](
-        x, weight, partial, num_tokens, hidden, num_experts, per_split * block_h, E_PAD=e_pad,
-        BLOCK_T=BLOCK_T, BLOCK_H=block_h, F32_DOT=x.dtype == torch.float32 or interpreting(), num_warps=4,
+        x, weight, partial, pair_out if pair_out is not None else partial, num_tokens, hidden, num_experts,
+        per_split * block_h, E_PAD=e_pad, BLOCK_T=BLOCK_T, BLOCK_H=block_h,
+        F32_DOT=x.dtype == torch.float32 or interpreting(), PAIR=pair_out is not None, num_warps=4,
         **pdl_options(),
     )  # fmt: skip
     _route_finish[(num_tokens,)](
@@ -83,9 +95,9 @@ def _route(x, weight, bias, k: int, sigmoid: bool) -> tuple[torch.Tensor, torch.
 
 @triton.jit
 def _route_partial(
-    x_ptr, w_ptr, partial_ptr, num_tokens, hidden, num_experts, H_SPLIT,
+    x_ptr, w_ptr, partial_ptr, pair_ptr, num_tokens, hidden, num_experts, H_SPLIT,
     E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, F32_DOT: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    PAIR: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     if USE_GDC:  # (triton_util.PDL) the kernel before may still be writing x
         tl.extra.cuda.gdc_wait()
@@ -101,6 +113,9 @@ def _route_partial(
         ok_h = offs_h < h_hi
         xs = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * hidden + offs_h[None, :],
                      mask=ok_t[:, None] & ok_h[None, :], other=0.0)  # fmt: skip
+        if PAIR:  # (block_h is a multiple of 8: a word's 8 inputs stay in one program)
+            tl.store(pair_ptr + offs_t[:, None].to(tl.int64) * hidden + pair_position(offs_h)[None, :],
+                     saturate_f16(xs), mask=ok_t[:, None] & ok_h[None, :])  # fmt: skip
         ws = tl.load(
             w_ptr + offs_e[None, :] * hidden + offs_h[:, None], mask=ok_e[None, :] & ok_h[:, None], other=0.0
         )  # fmt: skip  [BLOCK_H, E_PAD]
