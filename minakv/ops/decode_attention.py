@@ -9,7 +9,7 @@ at position k iff `0 <= q_pos - k < window` (docs/design.md 2.4). Sinks join the
 The Triton path is flash-decoding: the keys of each request are cut into `num_splits` chunks, one
 program per (request, KV head, chunk) computes an unnormalised partial softmax for all query heads of
 that KV head at once (GQA packing: each K/V row is read once), and a second kernel merges the chunks
-and folds in the sinks. Decode is bound by the bytes of K and V read, so the splits exist to put enough
+that hold keys and folds in the sinks. Decode is bound by the bytes of K and V read, so the splits exist to put enough
 programs in flight to saturate memory bandwidth when the batch is small.
 
 Chunks are cut one of two ways. Given the longest key list (`max_kv_len`, known on the host), every
@@ -158,10 +158,10 @@ def decode_attention_triton(
     )  # fmt: skip
     sinks_arg = sinks if sinks is not None else part_ml  # any pointer; unused without sinks
     _decode_merge_kernel[(batch, num_heads)](
-        part_acc, part_ml, sinks_arg, out, out.stride(0), out.stride(1), num_splits,
-        D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        HAS_SINKS=sinks is not None, num_warps=4, **pdl_options(),
+        part_acc, part_ml, sinks_arg, out, starts, ends, window if window is not None else 0, keys_per_split,
+        out.stride(0), out.stride(1), num_splits, D=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK_N=block_n, HAS_WINDOW=window is not None,
+        ASCENDING=ascending, HAS_SINKS=sinks is not None, num_warps=4, **pdl_options(),
     )  # fmt: skip
     return out
 
@@ -200,13 +200,8 @@ def _decode_split_kernel(
     b = tl.program_id(1)
     split = tl.program_id(2)
     NUM_SPLITS = tl.num_programs(2)
-    start = tl.load(start_ptr + b)
-    end = tl.load(end_ptr + b)
-    if HAS_WINDOW and ASCENDING:  # the last `window` keys hold every visible one (window_start)
-        start = tl.maximum(start, end - window)
-    # keys_per_split 0: per-row splits, this request's own keys in NUM_SPLITS chunks of whole blocks
-    own = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    chunk = tl.where(keys_per_split == 0, own, keys_per_split)
+    start, end, chunk = _chunks(start_ptr, end_ptr, b, window, keys_per_split, NUM_SPLITS, BLOCK_N,
+                                HAS_WINDOW, ASCENDING)  # fmt: skip
     lo = start + split * chunk
     hi = tl.minimum(end, lo + chunk)
 
@@ -257,28 +252,48 @@ def _decode_split_kernel(
     if USE_GDC:  # the keys are read: the merge may start (it waits for this kernel to finish)
         tl.extra.cuda.gdc_launch_dependents()
     row = b * tl.num_programs(0) * GROUP + heads  # b * Hq + head
-    out_mask = (g < GROUP)[:, None] & (d < D)[None, :]
-    tl.store(acc_ptr + (row[:, None] * NUM_SPLITS + split) * D + d[None, :], acc, mask=out_mask)
+    # the merge reads only the chunks that hold keys, and the first (vectors: the interpreter rejects a
+    # scalar in a mask)
+    ok = (g < GROUP) & ((g * 0 + split == 0) | (g * 0 + lo < hi))
+    tl.store(acc_ptr + (row[:, None] * NUM_SPLITS + split) * D + d[None, :], acc,
+             mask=ok[:, None] & (d < D)[None, :])  # fmt: skip
     ml = ml_ptr + (row * NUM_SPLITS + split) * 2
-    tl.store(ml, m_i, mask=g < GROUP)
-    tl.store(ml + 1, l_i, mask=g < GROUP)
+    tl.store(ml, m_i, mask=ok)
+    tl.store(ml + 1, l_i, mask=ok)
+
+
+@triton.jit
+def _chunks(start_ptr, end_ptr, b, window, keys_per_split, NUM_SPLITS, BLOCK_N: tl.constexpr,
+            HAS_WINDOW: tl.constexpr, ASCENDING: tl.constexpr):  # fmt: skip
+    """Request b's key range [start, end) and the keys of each of its chunks (whole blocks)."""
+    start = tl.load(start_ptr + b)
+    end = tl.load(end_ptr + b)
+    if HAS_WINDOW and ASCENDING:  # the last `window` keys hold every visible one (window_start)
+        start = tl.maximum(start, end - window)
+    # keys_per_split 0: per-row splits, this request's own keys in NUM_SPLITS chunks of whole blocks
+    own = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return start, end, tl.where(keys_per_split == 0, own, keys_per_split)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    acc_ptr, ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh, NUM_SPLITS,
-    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HAS_SINKS: tl.constexpr, USE_GDC: tl.constexpr,
+    acc_ptr, ml_ptr, sinks_ptr, out_ptr, start_ptr, end_ptr, window, keys_per_split, stride_ob, stride_oh,
+    NUM_SPLITS, D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, ASCENDING: tl.constexpr, HAS_SINKS: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    """One (request, head): the chunks' partial softmaxes that hold keys (a short history at batch 1 leaves
+    most of ~100 chunks empty) merged, the sink folded in."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     if USE_GDC:  # (triton_util.PDL) the partials are the split kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    start, end, chunk = _chunks(start_ptr, end_ptr, b, window, keys_per_split, NUM_SPLITS, BLOCK_N,
+                                HAS_WINDOW, ASCENDING)  # fmt: skip
     row = b * tl.num_programs(1) + h
     sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
-    sp_ok = sp < NUM_SPLITS
+    sp_ok = sp < tl.maximum(tl.cdiv(end - start, tl.maximum(chunk, 1)), 1)  # (the split kernel's `used`)
     m = tl.load(ml_ptr + (row * NUM_SPLITS + sp) * 2, mask=sp_ok, other=float("-inf"))
     l = tl.load(ml_ptr + (row * NUM_SPLITS + sp) * 2 + 1, mask=sp_ok, other=0.0)
     acc = tl.load(
