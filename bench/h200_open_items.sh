@@ -27,6 +27,8 @@
 #   cublas    issue 12: gpt-oss-20b and 120b (dummy) at batch 1, the bf16 projections' GEMV then cuBLAS   ~200 s
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
 #   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens) and grouped GEMM (64) over mxfp4_mma.tile_rows's layout, kernels (err column) ~120 s
+#   b1        issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 with its kernel table, 20,000-token pool (fits an H100) ~150 s
+#   gputests  the GPU tests of the model and the MXFP4 kernels (test_model_gpu.py, test_ops_mxfp4.py)     ~100 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
 # bench/serve_replay.sh) for `serve`; the other steps need no tokenizer.
@@ -82,6 +84,10 @@ for step in $STEPS; do
                 --out "$OUT/variants_tiled.json" ;;
         sort) timeout 120 python3 bench/moe_variants.py --tokens 64,256,512,1024 --only none --budget 0 \
             --out "$OUT/moe_sort.json" ;;
+        b1) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1 --prompt 400 --repeats 2 \
+            --modes greedy --kv-tokens 20000 --kernels ;;
+        gputests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_model_gpu.py tests/test_ops_mxfp4.py \
+            -k "gpu or cuda" ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;
         *) echo "unknown step $step" ;;
     esac > "$log" 2>&1
