@@ -73,17 +73,8 @@ class GptOssExperts(nn.Module):
         """x16: x in pair order for the packed GEMV, if the router wrote it (GptOssMoE)."""
         args = {"activation": "swiglu_oai", "limit": self.limit, "alpha": self.alpha, "sum_k": self.sum_k}
         if self.packed:
-            return moe_mxfp4(
-                x,
-                self.mxfp4,
-                weights,
-                ids,
-                self.gate_up_bias,
-                self.down_bias,
-                fold=self.fold,
-                x16=x16,
-                **args,
-            )
+            packed = {"fold": self.fold, "x16": x16}
+            return moe_mxfp4(x, self.mxfp4, weights, ids, self.gate_up_bias, self.down_bias, **packed, **args)
         return moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias, **args)
 
 

@@ -9,8 +9,8 @@ at position k iff `0 <= q_pos - k < window` (docs/design.md 2.4). Sinks join the
 The Triton path is flash-decoding: the keys of each request are cut into `num_splits` chunks, one
 program per (request, KV head, chunk) computes an unnormalised partial softmax for all query heads of
 that KV head at once (GQA packing: each K/V row is read once), and a second kernel merges the chunks
-that hold keys and folds in the sinks. Decode is bound by the bytes of K and V read, so the splits exist to put enough
-programs in flight to saturate memory bandwidth when the batch is small.
+that hold keys and folds in the sinks. Decode is bound by the bytes of K and V read, so the splits exist
+to put enough programs in flight to saturate memory bandwidth when the batch is small.
 
 Chunks are cut one of two ways. Given the longest key list (`max_kv_len`, known on the host), every
 request's chunks are the same size, enough for that list. Given `per_row_splits` instead, each program

@@ -183,7 +183,8 @@ def _down_mma(
 
 def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                   limit=7.0, alpha=1.702, *, sum_k: bool = True, unroll: int = 4, tiled: bool = False,
-                  splits: tuple[int, int] = (1, 1), x16: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                  splits: tuple[int, int] = (1, 1),
+                  x16: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments) from the tensor-core GEMV above (CUDA only).
     unroll: groups a step (4 or 8). splits: programs along the input for gate/up and for down (split-K:
     more, shorter chains of loads); gate/up's partials are summed by mxfp4_gemv.finish_gate_up, down's
