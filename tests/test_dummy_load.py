@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.triton import interpreted
 
 from minakv import Engine, SamplingParams
 from minakv.model import MODEL_CLASSES, ModelConfig
@@ -88,3 +89,28 @@ def test_the_engine_decides_once_whether_the_scales_fold(tmp_path: Path) -> None
     first.down_scales[0, 0, 0] = 137
     engine.model.fuse()
     assert not first.fold and second.fold
+
+
+@interpreted
+def test_the_router_hands_the_packed_gemv_its_input_in_pair_order(tmp_path: Path, monkeypatch) -> None:
+    """Where the tensor-core GEMV will read x (compiled runs: `takes_pair_order`, forced here), the MoE block
+    has the router's kernel write x in pair order and hands that copy to the experts; the output is the
+    block's usual one (the interpreter's GEMV reads x itself)."""
+    from minakv.model import gpt_oss
+    from minakv.ops import triton_util
+
+    engine = Engine(str(small(tmp_path)), load_format="dummy", kv_cache_tokens=256)
+    block = engine.model.layers[0].mlp
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(block.router.weight.dtype)
+    monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)  # every op on its Triton path (interpreted)
+    plain = block(x)
+    seen = []
+    moe_mxfp4 = gpt_oss.moe_mxfp4
+    monkeypatch.setattr(gpt_oss, "takes_pair_order", lambda *args: True)
+    monkeypatch.setattr(
+        gpt_oss, "moe_mxfp4", lambda *a, x16=None, **kw: seen.append(x16) or moe_mxfp4(*a, **kw)
+    )
+    assert torch.equal(block(x), plain)
+    (x16,) = seen
+    order = x.double().view(3, 8, 8)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(3, 64)
+    assert x16 is not None and torch.equal(x16, order.to(torch.float16))
