@@ -53,6 +53,14 @@ def float64_ref(case: dict, window: int | None, sinks: bool) -> torch.Tensor:
     return decode_attention_ref(**{**c, "sinks": c["sinks"] if sinks else None, "window": window})
 
 
+@pytest.fixture
+def nan_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`torch.empty` hands out NaN-filled tensors: the kernels' partial buffers start as NaN, so a merge that
+    reads a chunk the split kernel did not write (an empty one) shows in the output."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out).all()
     return ((out.double() - ref).norm() / ref.norm()).item()
@@ -63,9 +71,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("window,sinks", [(None, False), (None, True), (8, False), (8, True)])
 def test_decode_matches_float64_reference(
-    group: int, page_size: int, window: int | None, sinks: bool
+    group: int, page_size: int, window: int | None, sinks: bool, nan_buffers: None
 ) -> None:
-    # Request 0 has no key, 1 has one, 2 spans several splits of 16-key blocks.
+    # Request 0 has no key, 1 has one (two empty chunks), 2 spans several splits of 16-key blocks.
     case = random_case(group, page_size, [0, 1, 61], torch.float32, seed=group * 100 + page_size)
     ref = float64_ref(case, window, sinks)
     out = decode_attention_triton(
@@ -100,12 +108,10 @@ def test_ascending_rows_read_only_the_window(window: int | None) -> None:
 @interpreted
 @pytest.mark.parametrize("window", [None, 8, 100])  # (a window allows fewer chunks: 1 and up to 2 here)
 @pytest.mark.parametrize("splits", [1, 3, 7])
-def test_per_row_splits_match_reference(window: int | None, splits: int, monkeypatch) -> None:
+def test_per_row_splits_match_reference(window: int | None, splits: int, nan_buffers: None) -> None:
     """Chunks cut from each request's own key count (CUDA graphs: no key bound known): rows of 0, 1, 61 and
     150 keys in 1, 3 or 7 chunks of whole 16-key blocks (7: some chunks of the short rows are empty, and
     neither written nor read: the partial buffers start as NaN here, so reading one would show)."""
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     case = random_case(8, 16, [0, 1, 61, 150], torch.float32, seed=5 + splits)
     bounds = case["kv_indptr"].tolist()
     case["q_pos"] = torch.tensor([0] + [int(case["kv_pos"][b - 1]) for b in bounds[2:]])  # own key last
