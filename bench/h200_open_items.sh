@@ -26,7 +26,7 @@
 #   pdl       issue 12: gpt-oss-120b (dummy) and 20b decode at batch 1 and 64, without then with EngineConfig.pdl ~300 s
 #   cublas    issue 12: gpt-oss-20b and 120b (dummy) at batch 1, the bf16 projections' GEMV then cuBLAS   ~200 s
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
-#   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens) and grouped GEMM (64) over mxfp4_mma.tile_rows's layout, kernels (err column) ~120 s
+#   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens) and grouped GEMM (64) over tiles (mxfp4_layout.py), kernels (err column) ~120 s
 #   b1        issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 with its kernel table, 20,000-token pool (fits an H100) ~150 s
 #   gputests  issue 12: the GPU tests of the model and the MXFP4 kernels (test_model_gpu.py, test_ops_mxfp4.py) ~100 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s

@@ -50,7 +50,8 @@ from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, moe_loop
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
-from minakv.ops.mxfp4_mma import moe_mxfp4_mma, tile_rows
+from minakv.ops.mxfp4_layout import tile_rows
+from minakv.ops.mxfp4_mma import moe_mxfp4_mma
 from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 from minakv.ops.mxfp4_moe import moe_mxfp4_fused
 
@@ -166,7 +167,7 @@ _TILED: dict[int, dict] = {}
 
 
 def tiled(args: tuple) -> tuple:
-    """args with the layer's weights in mxfp4_mma.tile_rows's layout: a copy, made on the first call (the
+    """args with the layer's weights in tiles (mxfp4_layout.py): a copy, made on the first call (the
     warm-up before a graph is captured) and kept for the layer."""
     if id(args[1]) not in _TILED:
         _TILED.clear()  # (one layer's copy at a time)
@@ -190,7 +191,7 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
         ]
     if tokens >= 8:
         out += [(name, lambda kw=kw: moe_mxfp4_mma_grouped(*args, **kw), True) for name, kw in MMA_GROUPED]
-        out += [  # the same over mxfp4_mma.tile_rows's layout
+        out += [  # the same over tiles (mxfp4_layout.py)
             (f"{name} tiled", lambda kw=kw: moe_mxfp4_mma_grouped(*tiled(args), **kw, tiled=True), True)
             for name, kw in MMA_GROUPED
             if kw["nt"] in (1, 2) and kw["mr"] == 2

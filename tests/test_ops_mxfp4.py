@@ -9,71 +9,47 @@ import torch
 import triton
 import triton.language as tl
 from helpers.models import moe_reference
+from helpers.mxfp4 import ALPHA, LIMIT, assert_matches, case
 from helpers.triton import interpreted
 
 from minakv.ops import mxfp4_moe
 from minakv.ops.moe import route_softmax_topk
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
+from minakv.ops.mxfp4_layout import packed_rows, tile
 from minakv.ops.mxfp4_moe import moe_mxfp4, moe_mxfp4_fused, moe_mxfp4_ref
 from minakv.ops.mxfp4_tile import load_mxfp4_halves, load_mxfp4_tile
-from minakv.ops.quant import dequantize_mxfp4, quantize_mxfp4
+from minakv.ops.quant import dequantize_mxfp4
 
-LIMIT, ALPHA = 1.0, 1.702  # a small limit so the clamps of swiglu_oai bite
 PATHS = {"fused": moe_mxfp4_fused, "grouped": moe_mxfp4_grouped}
-
-
-def packed(e: int, out: int, inp: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random weights [e, out, inp] quantized to MXFP4, group magnitudes spread over a few octaves."""
-    w = torch.randn(e, out, inp, generator=gen) * torch.exp2(torch.randint(-4, 1, (e, out, 1), generator=gen))
-    return quantize_mxfp4(w)
-
-
-def case(activation: str, t: int, e: int = 4, h: int = 64, i: int = 64, k: int = 2, seed: int = 0,
-         biases: bool = True):  # fmt: skip
-    """Inputs of moe_mxfp4, and the float64 reference output on the dequantized weights."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen)
-    w = {}
-    w["gate_up_blocks"], w["gate_up_scales"] = packed(e, 2 * i, h, gen)
-    w["down_blocks"], w["down_scales"] = packed(e, h, i, gen)
-    gate_up_bias = torch.randn(e, 2 * i, generator=gen) if biases else None
-    down_bias = torch.randn(e, h, generator=gen) if biases else None
-    weights, ids = route_softmax_topk(torch.randn(t, e, generator=gen), k)
-    args = [x, w, weights, ids, gate_up_bias, down_bias, activation, LIMIT, ALPHA]
-    gate_up = dequantize_mxfp4(w["gate_up_blocks"], w["gate_up_scales"])
-    down = dequantize_mxfp4(w["down_blocks"], w["down_scales"])
-    ref = moe_reference(x, gate_up, down, weights, ids, gate_up_bias, down_bias, activation, LIMIT, ALPHA)
-    return args, ref
-
-
-def assert_matches(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert ours.dtype == torch.float32 and ours.shape == ref.shape
-    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 @triton.jit
 def _dequant_kernel(b_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BF16: tl.constexpr):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+                    BF16: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
+    offs_n, n_ok, byte_rows, scale_rows = packed_rows(
+        b_ptr,
+        s_ptr,
+        tl.program_id(0) * 0,
+        tl.program_id(0) * BLOCK_N,
+        N,
+        0,
+        K // 2,
+        0,
+        K // 32,
+        BLOCK_N,
+        TILED,
+    )
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        tile = load_mxfp4_tile(
-            b_ptr + offs_n[:, None] * (K // 2),
-            s_ptr + offs_n[:, None] * (K // 32),
-            n_ok,
-            k0,
-            K,
-            BLOCK_K,
-            BF16,
-        )
+        tile = load_mxfp4_tile(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16, TILED)
         mask = n_ok[:, None] & (k0 + offs_k < K)[None, :]
         tl.store(out_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], tile.to(tl.float32), mask=mask)
 
 
-def check_dequant_exact(device: str, bf16: bool) -> None:
-    """Every byte value under every scale, through the in-register path: equal to dequantize_mxfp4."""
+def check_dequant_exact(device: str, bf16: bool, tiled: bool = False) -> None:
+    """Every byte value under every scale, through the in-register path: equal to dequantize_mxfp4 (of the
+    same bytes in rows when they are given in tiles, mxfp4_layout.py)."""
     rows, groups = 256, 5  # 160 inputs: a tail with BLOCK_K 64
     blocks = torch.arange(256, dtype=torch.uint8)[:, None, None].expand(rows, groups, 16).contiguous()
     blocks = blocks.roll(1, dims=1)  # a row's groups differ
@@ -83,15 +59,19 @@ def check_dequant_exact(device: str, bf16: bool) -> None:
     )  # 255 is NaN in E8M0; 6 * 2^126 is the largest finite fp32 here
     if bf16:  # keep clear of bf16 overflow and its subnormals
         scales = scales.clamp(10, 240)
+    ref = dequantize_mxfp4(blocks, scales)
+    blocks, scales = tile(blocks, scales) if tiled else (blocks, scales)
     blocks, scales = blocks.to(device), scales.to(device)
     out = torch.empty(rows, groups * 32, device=device)
-    _dequant_kernel[(triton.cdiv(rows, 32),)](blocks, scales, out, rows, groups * 32, 32, 64, BF16=bf16)
-    assert torch.equal(out.cpu(), dequantize_mxfp4(blocks.cpu(), scales.cpu()))
+    _dequant_kernel[(triton.cdiv(rows, 32),)](blocks, scales, out, rows, groups * 32, 32, 64, BF16=bf16,
+                                              TILED=tiled)  # fmt: skip
+    assert torch.equal(out.cpu(), ref)
 
 
 @interpreted
-def test_dequant_tile_is_exact() -> None:
-    check_dequant_exact("cpu", bf16=False)
+@pytest.mark.parametrize("tiled", [False, True])
+def test_dequant_tile_is_exact(tiled: bool) -> None:
+    check_dequant_exact("cpu", bf16=False, tiled=tiled)
 
 
 @interpreted
@@ -210,43 +190,51 @@ def test_grouped_bf16_mode() -> None:
 
 
 @interpreted
-def test_dequant_halves_are_exact() -> None:
+@pytest.mark.parametrize("tiled", [False, True])
+def test_dequant_halves_are_exact(tiled: bool) -> None:
     """The select-free decode of the split modes: every byte under every scale, even / odd halves (fp32:
     the interpreter garbles bitcasts to bf16; the GPU test checks both)."""
-    check_halves_exact("cpu", bf16=False)
+    check_halves_exact("cpu", bf16=False, tiled=tiled)
 
 
 @triton.jit
 def _halves_kernel(b_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BF16: tl.constexpr):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+                   BF16: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
+    offs_n, n_ok, byte_rows, scale_rows = packed_rows(
+        b_ptr,
+        s_ptr,
+        tl.program_id(0) * 0,
+        tl.program_id(0) * BLOCK_N,
+        N,
+        0,
+        K // 2,
+        0,
+        K // 32,
+        BLOCK_N,
+        TILED,
+    )
     offs_j = tl.arange(0, BLOCK_K // 2)
     for k0 in range(0, K, BLOCK_K):
-        even, odd = load_mxfp4_halves(
-            b_ptr + offs_n[:, None] * (K // 2),
-            s_ptr + offs_n[:, None] * (K // 32),
-            n_ok,
-            k0,
-            K,
-            BLOCK_K,
-            BF16,
-        )
+        even, odd = load_mxfp4_halves(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16, TILED)
         mask = n_ok[:, None] & (k0 // 2 + offs_j < K // 2)[None, :]
         out = out_ptr + offs_n[:, None] * K + k0 + 2 * offs_j[None, :]
         tl.store(out, even.to(tl.float32), mask=mask)
         tl.store(out + 1, odd.to(tl.float32), mask=mask)
 
 
-def check_halves_exact(device: str, bf16: bool) -> None:
+def check_halves_exact(device: str, bf16: bool, tiled: bool = False) -> None:
     rows, groups = 256, 5  # 160 inputs: a tail with BLOCK_K 64
     blocks = torch.arange(256, dtype=torch.uint8)[:, None, None].expand(rows, groups, 16).contiguous()
     blocks = blocks.roll(1, dims=1)
     scales = (torch.arange(rows * groups).reshape(rows, groups) % 256).clamp(10 if bf16 else 0, 240)
-    blocks, scales = blocks.to(device), scales.to(torch.uint8).to(device)
+    scales = scales.to(torch.uint8)
+    ref = dequantize_mxfp4(blocks, scales)
+    blocks, scales = tile(blocks, scales) if tiled else (blocks, scales)
+    blocks, scales = blocks.to(device), scales.to(device)
     out = torch.empty(rows, groups * 32, device=device)
-    _halves_kernel[(triton.cdiv(rows, 32),)](blocks, scales, out, rows, groups * 32, 32, 64, BF16=bf16)
-    assert torch.equal(out.cpu(), dequantize_mxfp4(blocks.cpu(), scales.cpu()))
+    _halves_kernel[(triton.cdiv(rows, 32),)](blocks, scales, out, rows, groups * 32, 32, 64, BF16=bf16,
+                                             TILED=tiled)  # fmt: skip
+    assert torch.equal(out.cpu(), ref)
 
 
 @interpreted
@@ -314,7 +302,7 @@ def test_tile_rows_layout() -> None:
     """tile_rows against its stated layout, byte by byte: row r, group j of expert e at
     e R G 16 + (r // 16) G 256 + j 256 + (r % 16) 16 (blocks), e R G + (r // 16) G 16 + j 16 + r % 16
     (scales), so a program's first row sits where the checkpoint's layout has it."""
-    from minakv.ops.mxfp4_mma import tile_rows
+    from minakv.ops.mxfp4_layout import tile_rows
 
     e, i, h = 2, 48, 96
     gen = torch.Generator().manual_seed(0)
@@ -356,7 +344,8 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
     for these inputs' range, so within fp32 summation error of the reference): 3 and 5 groups (tails of the
     unrolled step and of the warps' shares; H = 96 and I = 160 rows end inside a warp's rows, which then
     moves back), gpt-oss's 90 groups; 48 and 160 pairs over 3 and 4 experts (full and partial pair tiles)."""
-    from minakv.ops.mxfp4_mma import moe_mxfp4_mma, tile_rows
+    from minakv.ops.mxfp4_layout import tile_rows
+    from minakv.ops.mxfp4_mma import moe_mxfp4_mma
     from minakv.ops.mxfp4_mma_grouped import fold_fits, moe_mxfp4_mma_grouped
 
     args, ref = case("swiglu_oai", t, e=e, h=h, i=i, seed=t + h)
@@ -371,18 +360,19 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
     # split-K 4 over 5 groups: one split empty
     cases = ((4, (1, 1), False), (8, (2, 3), False), (4, (3, 4), False), (4, (1, 1), True), (8, (2, 3), True),
              (4, (3, 4), True))  # fmt: skip
-    for unroll, splits, tile in cases:
+    for unroll, splits, in_tiles in cases:
         parts = moe_mxfp4_mma(
-            *(tiled if tile else args), sum_k=False, unroll=unroll, splits=splits, tiled=tile
+            *(tiled if in_tiles else args), sum_k=False, unroll=unroll, splits=splits, tiled=in_tiles
         )
         assert parts.shape == (t, 2 * splits[1], h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
     assert fold_fits(args[1])  # the folded scales' range: quantize_mxfp4 of unit-scale weights is inside
-    for mr, nt, unroll, fold, tile in ((4, 4, 2, False, False), (2, 1, 4, False, False), (2, 2, 1, False, False),
-                                       (4, 8, 1, False, False), (2, 4, 2, True, False), (2, 1, 4, True, False),
-                                       (4, 4, 2, False, True), (2, 1, 4, True, True)):  # fmt: skip
-        parts = moe_mxfp4_mma_grouped(*(tiled if tile else args), sum_k=False, mr=mr, nt=nt, unroll=unroll,
-                                      fold=fold, tiled=tile)  # fmt: skip
+    for mr, nt, unroll, fold, in_tiles in (
+        (4, 4, 2, False, False), (2, 1, 4, False, False), (2, 2, 1, False, False), (4, 8, 1, False, False),
+        (2, 4, 2, True, False), (2, 1, 4, True, False), (4, 4, 2, False, True), (2, 1, 4, True, True),
+    ):  # fmt: skip
+        parts = moe_mxfp4_mma_grouped(*(tiled if in_tiles else args), sum_k=False, mr=mr, nt=nt, unroll=unroll,
+                                      fold=fold, tiled=in_tiles)  # fmt: skip
         assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
 

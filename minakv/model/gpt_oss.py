@@ -19,6 +19,7 @@ from torch import nn
 from minakv.model.config import ModelConfig
 from minakv.model.layers import CausalLM
 from minakv.ops.moe import moe, route_softmax_topk
+from minakv.ops.mxfp4_layout import tile_rows, tiles_wanted
 from minakv.ops.mxfp4_mma_grouped import fold_fits
 from minakv.ops.mxfp4_moe import moe_mxfp4, takes_pair_order
 from minakv.ops.routing import FUSED_MAX_TOKENS, route_softmax_topk_fused
@@ -52,6 +53,7 @@ class GptOssExperts(nn.Module):
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         self.sum_k = True  # False: the decode kernels may return k parts for the next norm (GptOssMoE)
         self.fold = False  # the scales fold into the weights in the grouped GEMM: `fuse`
+        self.tiled = False  # the packed bytes re-laid in 16-row tiles (minakv/ops/mxfp4_layout.py): `fuse`
 
     @property
     def mxfp4(self) -> dict[str, torch.Tensor] | None:
@@ -64,8 +66,13 @@ class GptOssExperts(nn.Module):
 
     def fuse(self) -> None:
         """Decide once, with the weights in place, whether the grouped tensor-core GEMM may fold each scale
-        into its weights (every scale byte in its exact range; a host sync, so before any CUDA graph)."""
+        into its weights (every scale byte in its exact range; a host sync, so before any CUDA graph), and
+        with MINAKV_MXFP4_TILES=1 re-lay the packed bytes in tiles (a transient copy of one layer)."""
         self.fold = self.packed and fold_fits(self.mxfp4)
+        if self.packed and tiles_wanted() and not self.tiled:
+            for name, t in tile_rows(self.mxfp4).items():
+                getattr(self, name).copy_(t)
+            self.tiled = True
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x16: torch.Tensor | None = None
@@ -73,7 +80,7 @@ class GptOssExperts(nn.Module):
         """x16: x in pair order for the packed GEMV, if the router wrote it (GptOssMoE)."""
         args = {"activation": "swiglu_oai", "limit": self.limit, "alpha": self.alpha, "sum_k": self.sum_k}
         if self.packed:
-            packed = {"fold": self.fold, "x16": x16}
+            packed = {"fold": self.fold, "x16": x16, "tiled": self.tiled}
             return moe_mxfp4(x, self.mxfp4, weights, ids, self.gate_up_bias, self.down_bias, **packed, **args)
         return moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias, **args)
 

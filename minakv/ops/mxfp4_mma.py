@@ -33,7 +33,7 @@ import triton.language as tl
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.mxfp4_mma_ptx import mma_rows_ptx
 from minakv.ops.mxfp4_order import pair_order, pair_position
-from minakv.ops.triton_util import check, pdl_options
+from minakv.ops.triton_util import pdl_options
 
 WARPS = tl.constexpr(4)  # per program: they split the groups of the same 16 rows, then add their sums
 ROWS = 16  # weight rows per program
@@ -189,7 +189,7 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     unroll: groups a step (4 or 8). splits: programs along the input for gate/up and for down (split-K:
     more, shorter chains of loads); gate/up's partials are summed by mxfp4_gemv.finish_gate_up, down's
     come back as extra parts (sum_k=False: [T, k * splits, H]) or are summed here. tiled: the weights are
-    in `tile_rows`'s layout (an experiment: bench/mxfp4_variants.py). x16: `pair_order(x)` if already made
+    in tiles (mxfp4_layout.py). x16: `pair_order(x)` if already made
     (the router's first kernel writes it, routing.py)."""
     from minakv.ops.mxfp4_gemv import finish_gate_up  # here: mxfp4_gemv imports this module
 
@@ -226,23 +226,3 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         num_warps=WARPS.value, UNROLL=unroll, TILED=tiled, SPLITS=d_splits, **pdl_options(),
     )  # fmt: skip
     return k_parts(y, num_tokens, k * d_splits, x.dtype, sum_k)
-
-
-def tile_rows(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The packed weights with each 16 rows' groups interleaved: [E, R / 16, G, 16 rows, 16 bytes] for the
-    blocks, [E, R / 16, G, 16 rows] for the scales (same shapes as given, R a multiple of 16). A program's
-    first row sits where it did; inside, one group of its 16 rows is 256 contiguous bytes (scales: 16), so
-    the lanes of a warp load that hold word t of rows g = 0..7 read one 128-byte line, where the
-    checkpoint's layout spreads them over 8 rows."""
-    out = {}
-    for name in ("gate_up", "down"):
-        blocks, scales = w[f"{name}_blocks"], w[f"{name}_scales"]
-        e, r, g, _ = blocks.shape
-        check(
-            r % (32 if name == "gate_up" else 16) == 0, f"{name}: {r} rows (gate and up: 16-row tiles each)"
-        )
-        out[f"{name}_blocks"] = (
-            blocks.view(e, r // 16, 16, g, 16).transpose(2, 3).contiguous().view(e, r, g, 16)
-        )
-        out[f"{name}_scales"] = scales.view(e, r // 16, 16, g).transpose(2, 3).contiguous().view(e, r, g)
-    return out

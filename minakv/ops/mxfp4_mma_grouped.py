@@ -54,7 +54,7 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
     last_row); x_row: bytes per activation row. fold: scale the decoded fp16 weights by 2^(s - 121) with
     `mul.rn.f16x2` (exact for scale bytes in FOLD_RANGE, `fold_fits`) and accumulate in the MMAs' own C,
     instead of 4 fp32 FMAs per MMA pair (2 a row tile per pair tile per group). tiled: the weights in
-    mxfp4_mma.tile_rows's layout (an experiment; rows, warp_rows and row_offs multiples of 16)."""
+    tiles (mxfp4_layout.py; rows, warp_rows and row_offs multiples of 16)."""
     # bytes from a row to the next, from a group to the next: blocks, scales (inside a tile when tiled; the
     # warp's first row r is then its tile's, and row g of the tile is 16 g bytes on, its scales g)
     rb, gb, rs, gs = (16, 256, 1, 16) if tiled else (stride_bn, 16, stride_sn, 1)
@@ -227,8 +227,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     """`moe_mxfp4_gemv`'s result (its first arguments), each expert read once per 8 * nt of its pairs (CUDA
     only). nt: pair tiles of 8 a warp; mr: row tiles of 16 a warp (gate/up: half gate, half up; fewer when
     the weights have fewer rows); unroll: groups a lane loads before it uses any; fold: the scales folded
-    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`); tiled: w in mxfp4_mma.tile_rows's layout
-    (an experiment)."""
+    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`); tiled: w in tiles (mxfp4_layout.py)."""
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     hidden = x.shape[1]

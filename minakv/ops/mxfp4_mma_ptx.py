@@ -4,7 +4,7 @@
 decodes and runs its MMAs. The kernel reads at ~34% of the copy bandwidth at one token on the H100, where a
 plain read reaches 85%; more loads in flight a warp (a `cp.async` ring in shared memory; 8 groups a step
 with the inputs loaded late) and fewer L1 wavefronts (whole groups a lane) did not change that
-(docs/kernels.md, bench/RESULTS.md). `tiled` reads `mxfp4_mma.tile_rows`'s layout, where a warp load is one
+(docs/kernels.md, bench/RESULTS.md). `tiled` reads the weights in tiles (mxfp4_layout.py), where a warp load is one
 128-byte line instead of 16 bytes of 8 rows: the experiment that tests the DRAM side.
 """
 
@@ -59,7 +59,7 @@ def mma_rows_ptx(unroll: int, tiled: bool = False) -> str:
     4: the pair's column 0 is t = 0's); $3 first row's bytes, $4 its scales, $5 this lane's column's fp16
     inputs (pair order), $6 / $7 bytes per row of blocks / scales, $12 / $8 first and end group, $9 rows
     left from the first, $10 groups per warp, $11 warps per row set (warp w takes share w % $11). Rows
-    past the last read the last row. tiled: the weights in `tile_rows`'s layout ($6 = 16, $7 = 1)."""
+    past the last read the last row. tiled: the weights in tiles, mxfp4_layout.py ($6 = 16, $7 = 1)."""
     gb, sgb = (256, 16) if tiled else (16, 1)
     first_scale = f"mul.wide.u32 o, n, {sgb}" if tiled else "cvt.u64.u32 o, n"  # o = n * sgb
     regs = "".join(

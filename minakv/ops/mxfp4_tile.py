@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS
+from minakv.ops.mxfp4_layout import byte_offsets
 from minakv.ops.triton_util import check, interpreting
 
 # how the GEMMs consume a packed tile: 0 the interleaved tile and one tl.dot; 1 the even / odd halves and two
@@ -138,29 +139,24 @@ def e8m0_values(scales, BF16: tl.constexpr):
 
 
 @triton.jit
-def packed_rows(blocks_ptr, scales_ptr, expert, n0, N, stride_be, stride_bn, stride_se, stride_sn,
-                BLOCK_N: tl.constexpr):  # fmt: skip
-    """Output columns n0 .. n0 + BLOCK_N - 1 (and which are < N), with the [BLOCK_N, 1] pointers to the
-    expert's packed rows for them (weights stored (out, in): a row per output column)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    e = expert.to(tl.int64)
-    byte_rows = blocks_ptr + e * stride_be + offs_n[:, None] * stride_bn
-    scale_rows = scales_ptr + e * stride_se + offs_n[:, None] * stride_sn
-    return offs_n, offs_n < N, byte_rows, scale_rows
-
-
-@triton.jit
-def load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+def load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
+                    TILED: tl.constexpr):  # fmt: skip
     """W[rows, k0 : k0 + BLOCK_K] dequantized -> [BN, BLOCK_K] (0 past K and on masked rows).
 
-    byte_rows / scale_rows: [BN, 1] pointers to the first byte / scale of each output row."""
+    byte_rows / scale_rows: [BN, 1] pointers to the first byte / scale of each output row
+    (mxfp4_layout.packed_rows); TILED: the weights in tiles (mxfp4_layout.py)."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
     BN: tl.constexpr = byte_rows.shape[0]
+    SG: tl.constexpr = 16 if TILED else 1  # scales from a group to the next
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(byte_rows + offs_b[None, :], mask=row_ok[:, None] & (offs_b < K // 2)[None, :], other=0)
+    packed = tl.load(
+        byte_rows + byte_offsets(offs_b, TILED)[None, :],
+        mask=row_ok[:, None] & (offs_b < K // 2)[None, :],
+        other=0,
+    )
     offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     scale = tl.load(
-        scale_rows + offs_g[None, :], mask=row_ok[:, None] & (offs_g < K // 32)[None, :], other=127
+        scale_rows + offs_g[None, :] * SG, mask=row_ok[:, None] & (offs_g < K // 32)[None, :], other=127
     )
     values = tl.interleave(e2m1_values(packed & 0xF, BF16), e2m1_values(packed >> 4, BF16))
     values = tl.reshape(values, (BN, BLOCK_K // 32, 32)) * e8m0_values(scale, BF16)[:, :, None]
@@ -194,17 +190,22 @@ def e2m1_f16(codes):
 
 
 @triton.jit
-def load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+def load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
+                      TILED: tl.constexpr):  # fmt: skip
     """W[rows, k0 : k0 + BLOCK_K] dequantized, as its even and odd columns -> two [BN, BLOCK_K / 2] tiles in
-    bf16 or fp32 (0 past K and on masked rows). byte_rows / scale_rows as in `load_mxfp4_tile`."""
+    bf16 or fp32 (0 past K and on masked rows). byte_rows / scale_rows / TILED as in `load_mxfp4_tile`."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
     BN: tl.constexpr = byte_rows.shape[0]
     G: tl.constexpr = BLOCK_K // 32
+    GB: tl.constexpr = 256 if TILED else 16  # bytes from a group to the next
+    SG: tl.constexpr = 16 if TILED else 1
     offs_g = k0 // 32 + tl.arange(0, G)
     g_ok = row_ok[:, None] & (offs_g < K // 32)[None, :]  # [BN, G]: masks whole groups, keeps vector loads
-    ptrs = byte_rows[:, :, None] + offs_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    ptrs = byte_rows[:, :, None] + offs_g[None, :, None] * GB + tl.arange(0, 16)[None, None, :]
     packed = tl.load(ptrs, mask=g_ok[:, :, None], other=0)
-    s = tl.load(scale_rows + offs_g[None, :], mask=g_ok, other=0).to(tl.uint32) + 14  # 2^(s - 127) * 2^14
+    s = (
+        tl.load(scale_rows + offs_g[None, :] * SG, mask=g_ok, other=0).to(tl.uint32) + 14
+    )  # 2^(s - 127) * 2^14
     if BF16:
         scale = (s << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         lo = e2m1_f16(packed & 0xF).to(tl.bfloat16) * scale[:, :, None]
@@ -241,39 +242,43 @@ def load_act(a_rows, m_ok, k0, K, BLOCK_K: tl.constexpr, MODE: tl.constexpr, A_S
 
 @triton.jit
 def mxfp4_acc(a0, a1, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
-              F32_DOT: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+              F32_DOT: tl.constexpr, MODE: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
     """acc [BM, BN] + A[:, k0 : k0 + BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T, (a0, a1) from `load_act`."""
     if MODE == 0:
-        out = dot_wt(a0, load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16), acc, F32_DOT)
+        w = load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16, TILED)
+        out = dot_wt(a0, w, acc, F32_DOT)
     elif MODE == 4:
-        out = dot_packed(a0, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K)
+        out = dot_packed(a0, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K, TILED)
     elif MODE == 1:
-        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
+        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16, TILED)
         out = dot_wt(a1, w1, dot_wt(a0, w0, acc, F32_DOT), F32_DOT)
     elif MODE == 3:  # the weights as the left operand: Hopper's wgmma reads that one from registers
-        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
+        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16, TILED)
         out = acc + tl.trans(dot_wa(w0, a0, dot_wa(w1, a1, None, F32_DOT), F32_DOT))
     else:
-        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, False)
+        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, False, TILED)
         prod = a0.to(tl.float32)[:, None, :] * w0[None, :, :] + a1.to(tl.float32)[:, None, :] * w1[None, :, :]
         out = acc + tl.sum(prod, 2)
     return out
 
 
 @triton.jit
-def dot_packed(a, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constexpr):
+def dot_packed(a, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
     """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T by tl.dot_scaled: the bytes go in as the [BLOCK_K / 2, BN] e2m1
     operand (our packing is the OCP one it expects: the low nibble is the even input) with the [BN,
     BLOCK_K / 32] E8M0 scales. Triton loads the bytes to shared memory in its pipeline, reads them in the
     MMA operand's layout and upcasts there, so no dequantized tile is ever shuffled between layouts."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
+    SG: tl.constexpr = 16 if TILED else 1
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     bytes_t = tl.load(
-        tl.trans(byte_rows) + offs_b[:, None], mask=row_ok[None, :] & (offs_b < K // 2)[:, None], other=0
+        tl.trans(byte_rows) + byte_offsets(offs_b, TILED)[:, None],
+        mask=row_ok[None, :] & (offs_b < K // 2)[:, None],
+        other=0,
     )
     offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     scales = tl.load(
-        scale_rows + offs_g[None, :], mask=row_ok[:, None] & (offs_g < K // 32)[None, :], other=0
+        scale_rows + offs_g[None, :] * SG, mask=row_ok[:, None] & (offs_g < K // 32)[None, :], other=0
     )
     return tl.dot_scaled(a, None, "bf16", bytes_t, scales, "e2m1", acc)
 
