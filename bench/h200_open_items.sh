@@ -28,6 +28,7 @@
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
 #   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens) and grouped GEMM (64) over tiles (mxfp4_layout.py), kernels (err column) ~120 s
 #   b1        issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 with its kernel table, 20,000-token pool (fits an H100) ~150 s
+#   tiles     issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 and 64, experts in rows then in tiles (mxfp4_layout.py), kernel tables ~330 s
 #   gputests  issue 12: the GPU tests of the model and the MXFP4 kernels (test_model_gpu.py, test_ops_mxfp4.py) ~100 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
@@ -86,6 +87,11 @@ for step in $STEPS; do
             --out "$OUT/moe_sort.json" ;;
         b1) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1 --prompt 400 --repeats 2 \
             --modes greedy --kv-tokens 20000 --kernels ;;
+        tiles) for layout in rows tiles; do  # two row files, named here
+                timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64 --prompt 400 --repeats 2 \
+                    --modes greedy --kv-tokens 20000 --kernels $([ $layout = tiles ] && echo --mxfp4-tiles)
+                mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_120b_$layout.json"
+            done ;;
         gputests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_model_gpu.py tests/test_ops_mxfp4.py \
             -k "gpu or cuda" ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;

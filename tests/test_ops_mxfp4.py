@@ -16,7 +16,7 @@ from minakv.ops import mxfp4_moe
 from minakv.ops.moe import route_softmax_topk
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
-from minakv.ops.mxfp4_layout import packed_rows, tile
+from minakv.ops.mxfp4_layout import packed_rows, tile, tile_rows
 from minakv.ops.mxfp4_moe import moe_mxfp4, moe_mxfp4_fused, moe_mxfp4_ref
 from minakv.ops.mxfp4_tile import load_mxfp4_halves, load_mxfp4_tile
 from minakv.ops.quant import dequantize_mxfp4
@@ -438,6 +438,19 @@ def test_real_shape_gpu(tokens: int) -> None:
         errs["mxfp4 gemv mma"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act, mma=True))
         errs["mxfp4 gemv split-K fp32"] = err(
             moe_mxfp4_gemv(x.float(), w, weights, ids, gub.float(), db.float(), *act, splits=3)
+        )
+    tw = tile_rows(w)  # the same weights in tiles (mxfp4_layout.py), through every path that reads them
+    errs["mxfp4 tiles"] = err(moe_mxfp4(x, tw, weights, ids, gub, db, *act, tiled=True))
+    errs["mxfp4 grouped tiles"] = err(moe_mxfp4_grouped(x, tw, weights, ids, gub, db, *act, tiled=True))
+    if tokens * 4 <= 1024:
+        errs["mxfp4 fused tiles"] = err(moe_mxfp4_fused(x, tw, weights, ids, gub, db, *act, tiled=True))
+    if 32 < tokens * 4 <= 4096:
+        errs["mxfp4 mma grouped fold tiles"] = err(
+            moe_mxfp4_mma_grouped(x, tw, weights, ids, gub, db, *act, fold=True, tiled=True)
+        )
+    if tokens * 4 <= 32:
+        errs["mxfp4 gemv x in asm tiles"] = err(
+            moe_mxfp4_gemv(x, tw, weights, ids, gub, db, *act, x_in_asm=True, tiled=True)
         )
     gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
     errs["bf16 grouped"] = err(moe_grouped(x, gate_up, down, weights, ids, gub, db, *act))
