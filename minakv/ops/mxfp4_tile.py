@@ -9,9 +9,10 @@ The packed layout (minakv/ops/quant.py), one expert, one output row n of a weigh
 
     W[n, k] = fp4(code of k) * 2^(s[n, k // 32] - 127)
 
-So a row's bytes are contiguous (group g's 16 bytes come right after group g-1's), and the weight tile for
-output rows n..n+BN and inputs k0..k0+BK is a plain [BN, BK/2] byte tile plus a [BN, BK/32] scale tile:
-a quarter of the bf16 tile's bytes and 1/64 more for the scales. `load_mxfp4_tile` loads both and
+(The checkpoint's layout; the same bytes may sit in 16-row tiles instead, minakv/ops/mxfp4_layout.py, which
+every loader here reads when told `TILED`.) So a row's bytes are contiguous (group g's 16 bytes come right
+after group g-1's), and the weight tile for output rows n..n+BN and inputs k0..k0+BK is a plain [BN, BK/2]
+byte tile plus a [BN, BK/32] scale tile: a quarter of the bf16 tile's bytes and 1/64 more for the scales. `load_mxfp4_tile` loads both and
 expands them in registers, the weights never exist in bf16 in memory:
 
     bytes [BN, BK/2] --& 0xF--> even codes --+
