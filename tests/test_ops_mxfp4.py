@@ -26,45 +26,43 @@ PATHS = {"fused": moe_mxfp4_fused, "grouped": moe_mxfp4_grouped}
 
 @triton.jit
 def _dequant_kernel(b_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BF16: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
-    offs_n, n_ok, byte_rows, scale_rows = packed_rows(
-        b_ptr,
-        s_ptr,
-        tl.program_id(0) * 0,
-        tl.program_id(0) * BLOCK_N,
-        N,
-        0,
-        K // 2,
-        0,
-        K // 32,
-        BLOCK_N,
-        TILED,
-    )
+                    BF16: tl.constexpr, TILED: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
+    """W [N, K] through load_mxfp4_tile, or (HALVES) load_mxfp4_halves' even and odd columns."""
+    pid = tl.program_id(0)
+    offs_n, n_ok, byte_rows, scale_rows = packed_rows(b_ptr, s_ptr, pid * 0, pid * BLOCK_N, N, 0, K // 2, 0,
+                                                      K // 32, BLOCK_N, TILED)  # fmt: skip
     offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, BLOCK_K // 2)
     for k0 in range(0, K, BLOCK_K):
-        tile = load_mxfp4_tile(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16, TILED)
-        mask = n_ok[:, None] & (k0 + offs_k < K)[None, :]
-        tl.store(out_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], tile.to(tl.float32), mask=mask)
+        if HALVES:
+            even, odd = load_mxfp4_halves(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16, TILED)
+            mask = n_ok[:, None] & (k0 // 2 + offs_j < K // 2)[None, :]
+            out = out_ptr + offs_n[:, None] * K + k0 + 2 * offs_j[None, :]
+            tl.store(out, even.to(tl.float32), mask=mask)
+            tl.store(out + 1, odd.to(tl.float32), mask=mask)
+        else:
+            tile = load_mxfp4_tile(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16, TILED)
+            mask = n_ok[:, None] & (k0 + offs_k < K)[None, :]
+            tl.store(out_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], tile.to(tl.float32), mask=mask)
 
 
-def check_dequant_exact(device: str, bf16: bool, tiled: bool = False) -> None:
-    """Every byte value under every scale, through the in-register path: equal to dequantize_mxfp4 (of the
-    same bytes in rows when they are given in tiles, mxfp4_layout.py)."""
+def check_dequant_exact(device: str, bf16: bool, tiled: bool = False, halves: bool = False) -> None:
+    """Every byte value under every scale, through the in-register path (halves: the select-free decode of
+    the split modes): equal to dequantize_mxfp4 (of the same bytes in rows when they are given in tiles,
+    mxfp4_layout.py)."""
     rows, groups = 256, 5  # 160 inputs: a tail with BLOCK_K 64
     blocks = torch.arange(256, dtype=torch.uint8)[:, None, None].expand(rows, groups, 16).contiguous()
     blocks = blocks.roll(1, dims=1)  # a row's groups differ
-    scales = torch.arange(rows * groups, dtype=torch.int64).reshape(rows, groups) % 256
-    scales = scales.clamp(1 if bf16 else 0, 252).to(
-        torch.uint8
-    )  # 255 is NaN in E8M0; 6 * 2^126 is the largest finite fp32 here
-    if bf16:  # keep clear of bf16 overflow and its subnormals
-        scales = scales.clamp(10, 240)
+    # 255 is NaN in E8M0; 6 * 2^126 is the largest finite fp32 here (halves: 2^14 more, folded in); bf16:
+    # clear of its overflow and its subnormals
+    lo, hi = (10, 240) if bf16 else (0, 240 if halves else 252)
+    scales = (torch.arange(rows * groups).reshape(rows, groups) % 256).clamp(lo, hi).to(torch.uint8)
     ref = dequantize_mxfp4(blocks, scales)
     blocks, scales = tile(blocks, scales) if tiled else (blocks, scales)
     blocks, scales = blocks.to(device), scales.to(device)
     out = torch.empty(rows, groups * 32, device=device)
     _dequant_kernel[(triton.cdiv(rows, 32),)](blocks, scales, out, rows, groups * 32, 32, 64, BF16=bf16,
-                                              TILED=tiled)  # fmt: skip
+                                              TILED=tiled, HALVES=halves)  # fmt: skip
     assert torch.equal(out.cpu(), ref)
 
 
@@ -194,47 +192,7 @@ def test_grouped_bf16_mode() -> None:
 def test_dequant_halves_are_exact(tiled: bool) -> None:
     """The select-free decode of the split modes: every byte under every scale, even / odd halves (fp32:
     the interpreter garbles bitcasts to bf16; the GPU test checks both)."""
-    check_halves_exact("cpu", bf16=False, tiled=tiled)
-
-
-@triton.jit
-def _halves_kernel(b_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BF16: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
-    offs_n, n_ok, byte_rows, scale_rows = packed_rows(
-        b_ptr,
-        s_ptr,
-        tl.program_id(0) * 0,
-        tl.program_id(0) * BLOCK_N,
-        N,
-        0,
-        K // 2,
-        0,
-        K // 32,
-        BLOCK_N,
-        TILED,
-    )
-    offs_j = tl.arange(0, BLOCK_K // 2)
-    for k0 in range(0, K, BLOCK_K):
-        even, odd = load_mxfp4_halves(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16, TILED)
-        mask = n_ok[:, None] & (k0 // 2 + offs_j < K // 2)[None, :]
-        out = out_ptr + offs_n[:, None] * K + k0 + 2 * offs_j[None, :]
-        tl.store(out, even.to(tl.float32), mask=mask)
-        tl.store(out + 1, odd.to(tl.float32), mask=mask)
-
-
-def check_halves_exact(device: str, bf16: bool, tiled: bool = False) -> None:
-    rows, groups = 256, 5  # 160 inputs: a tail with BLOCK_K 64
-    blocks = torch.arange(256, dtype=torch.uint8)[:, None, None].expand(rows, groups, 16).contiguous()
-    blocks = blocks.roll(1, dims=1)
-    scales = (torch.arange(rows * groups).reshape(rows, groups) % 256).clamp(10 if bf16 else 0, 240)
-    scales = scales.to(torch.uint8)
-    ref = dequantize_mxfp4(blocks, scales)
-    blocks, scales = tile(blocks, scales) if tiled else (blocks, scales)
-    blocks, scales = blocks.to(device), scales.to(device)
-    out = torch.empty(rows, groups * 32, device=device)
-    _halves_kernel[(triton.cdiv(rows, 32),)](blocks, scales, out, rows, groups * 32, 32, 64, BF16=bf16,
-                                             TILED=tiled)  # fmt: skip
-    assert torch.equal(out.cpu(), ref)
+    check_dequant_exact("cpu", bf16=False, tiled=tiled, halves=True)
 
 
 @interpreted
@@ -277,9 +235,10 @@ def test_shapes_are_checked() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bf16", [False, True])
-def test_dequant_tile_is_exact_gpu(bf16: bool) -> None:
-    check_dequant_exact("cuda", bf16)
-    check_halves_exact("cuda", bf16)
+@pytest.mark.parametrize("tiled", [False, True])
+def test_dequant_tile_is_exact_gpu(bf16: bool, tiled: bool) -> None:
+    check_dequant_exact("cuda", bf16, tiled)
+    check_dequant_exact("cuda", bf16, tiled, halves=True)
 
 
 @interpreted
