@@ -19,7 +19,7 @@ from torch import nn
 from minakv.model.config import ModelConfig
 from minakv.model.layers import CausalLM
 from minakv.ops.moe import moe, route_softmax_topk
-from minakv.ops.mxfp4_layout import tile_rows, tiles_wanted
+from minakv.ops.mxfp4_layout import tile, tiles_wanted
 from minakv.ops.mxfp4_mma_grouped import fold_fits
 from minakv.ops.mxfp4_moe import moe_mxfp4, takes_pair_order
 from minakv.ops.routing import FUSED_MAX_TOKENS, route_softmax_topk_fused
@@ -67,11 +67,15 @@ class GptOssExperts(nn.Module):
     def fuse(self) -> None:
         """Decide once, with the weights in place, whether the grouped tensor-core GEMM may fold each scale
         into its weights (every scale byte in its exact range; a host sync, so before any CUDA graph), and
-        with MINAKV_MXFP4_TILES=1 re-lay the packed bytes in tiles (a transient copy of one layer)."""
+        with MINAKV_MXFP4_TILES=1 re-lay the packed bytes in tiles (mxfp4_layout.py)."""
         self.fold = self.packed and fold_fits(self.mxfp4)
         if self.packed and tiles_wanted() and not self.tiled:
-            for name, t in tile_rows(self.mxfp4).items():
-                getattr(self, name).copy_(t)
+            for name in ("gate_up", "down"):  # an expert at a time: the copy stays small
+                blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
+                for e in range(blocks.shape[0]):
+                    tiled_blocks, tiled_scales = tile(blocks[e], scales[e])
+                    blocks[e].copy_(tiled_blocks)
+                    scales[e].copy_(tiled_scales)
             self.tiled = True
 
     def forward(
