@@ -26,7 +26,7 @@
 #   pdl       issue 12: gpt-oss-120b (dummy) and 20b decode at batch 1 and 64, without then with EngineConfig.pdl ~300 s
 #   cublas    issue 12: gpt-oss-20b and 120b (dummy) at batch 1, the bf16 projections' GEMV then cuBLAS   ~200 s
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
-#   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens) and grouped GEMM (64) over tiles (mxfp4_layout.py), kernels (err column) ~120 s
+#   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens), grouped GEMMs (64; prefill 4,096) in rows and in tiles (mxfp4_layout.py), kernels (err column) ~160 s
 #   b1        issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 with its kernel table, 20,000-token pool (fits an H100) ~150 s
 #   tiles     issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 and 64, experts in rows then in tiles (mxfp4_layout.py), kernel tables ~330 s
 #   gputests  issue 12: the GPU tests of the model and the MXFP4 kernels (test_model_gpu.py, test_ops_mxfp4.py) ~100 s
@@ -80,8 +80,8 @@ for step in $STEPS; do
                     --kv-tokens 60000 $([ $proj = cublas ] && echo --cublas)
                 mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_${model}_$proj.json"
             done; done ;;
-        tiled) timeout 200 python3 bench/mxfp4_variants.py --tokens 1,4,64 \
-                --only "gemv mma u4 split 1,gemv mma tiled,mma grouped mr2 nt1,mma grouped mr2 nt2" \
+        tiled) timeout 240 python3 bench/mxfp4_variants.py --tokens 1,4,64,4096 \
+                --only "gemv mma u4 split 1,gemv mma tiled,mma grouped mr2 nt1,mma grouped mr2 nt2,grouped scaled" \
                 --out "$OUT/variants_tiled.json" ;;
         sort) timeout 120 python3 bench/moe_variants.py --tokens 64,256,512,1024 --only none --budget 0 \
             --out "$OUT/moe_sort.json" ;;

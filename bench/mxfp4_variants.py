@@ -201,6 +201,9 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
                  True) for n, g, wp in STREAM]  # fmt: skip
     if tokens >= 256:
         out += [(name, lambda kw=kw: moe_mxfp4_grouped(*args, **kw), True) for name, kw in GROUPED]
+        out.append(
+            ("grouped scaled tiled", lambda: moe_mxfp4_grouped(*tiled(args), mode="scaled", tiled=True), True)
+        )
     out.append(("bf16 grouped", lambda: moe_grouped(*bf16_args), False))
     return out
 
