@@ -149,11 +149,12 @@ def _add_rms_norm() -> None:
 
 @case("route_fused")
 def _route_fused() -> None:
-    """GPT-OSS routing in two launches: 20b's 32 experts and 120b's 128, decode batches 1 and 256; at one
-    token also writing x in pair order (the tensor-core GEMV's input)."""
+    """GPT-OSS routing: 20b's 32 experts and 120b's 128, decode batches 1 (one launch: the last split
+    program finishes, an atomic counter) and 64 / 256 (two launches); at one token also writing x in pair
+    order (the tensor-core GEMV's input)."""
     from minakv.ops.routing import route_softmax_topk_fused
 
-    for tokens, experts in ((1, 32), (256, 32), (64, 128)):
+    for tokens, experts in ((1, 32), (1, 128), (256, 32), (64, 128)):
         weight, bias = torch.randn(experts, 2880).to(BF16), torch.randn(experts).to(BF16)
         pair_out = torch.empty(tokens, 2880, dtype=torch.float16) if tokens == 1 else None
         route_softmax_topk_fused(torch.randn(tokens, 2880).to(BF16), weight, bias, 4, pair_out)
@@ -161,7 +162,7 @@ def _route_fused() -> None:
 
 @case("route_sigmoid_fused")
 def _route_sigmoid_fused() -> None:
-    """MiniMax-M2's routing in the same two launches: 256 experts, top-8, its fp32 correction bias."""
+    """MiniMax-M2's routing in the same one or two launches: 256 experts, top-8, its fp32 correction bias."""
     from minakv.ops.routing import route_sigmoid_bias_fused
 
     for tokens in (1, 64):

@@ -113,3 +113,51 @@ def test_fused_sigmoid_routing_matches_torch(tokens, hidden, experts, k, dtype):
     same = (ids == ref_ids).all(-1)
     assert same.float().mean() > 0.5
     torch.testing.assert_close(weights[same], ref_w[same], rtol=1e-2, atol=1e-3)
+
+
+@interpreted
+def test_one_launch_finish_leaves_its_counter_at_zero(monkeypatch):
+    """Up to FINISH_IN_PLACE_MAX tokens the last split program to arrive finishes the block (no second
+    kernel): bit for bit the weights and ids of the two-launch path, call after call on one counter,
+    which every call leaves at zero; a counter of the wrong kind is refused."""
+    from minakv.ops import routing
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2880, generator=g).to(torch.bfloat16)  # 23 splits of H
+    w = (torch.randn(128, 2880, generator=g) / 2880**0.5).to(torch.bfloat16)
+    b = torch.randn(128, generator=g).to(torch.bfloat16)
+    counts = routing.block_counters(x.device)
+    for tokens in (1, 3, 1):
+        weights, ids = route_softmax_topk_fused(x[:tokens], w, b, 4, counts=counts)
+        assert not counts.any()
+        monkeypatch.setattr(routing, "FINISH_IN_PLACE_MAX", 0)  # the two-launch path, for reference
+        ref_w, ref_ids = route_softmax_topk_fused(x[:tokens], w, b, 4)
+        monkeypatch.setattr(routing, "FINISH_IN_PLACE_MAX", 4)
+        assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+    with pytest.raises(ValueError, match="counts"):
+        route_softmax_topk_fused(x[:1], w, b, 4, counts=counts.long())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_launch_finish_on_the_gpu(monkeypatch):
+    """The same on the GPU, where the split programs really race (the interpreter runs them one by one):
+    gpt-oss-120b's router (128 experts, H = 2880: 23 splits) and MiniMax-M2's (256, 3072), 1-4 tokens,
+    many calls on one counter, each bit for bit the two-launch path's."""
+    from minakv.ops import routing
+
+    g = torch.Generator("cuda").manual_seed(0)
+    for experts, hidden in ((128, 2880), (256, 3072)):
+        w = (torch.randn(experts, hidden, generator=g, device="cuda") / hidden**0.5).to(torch.bfloat16)
+        b = torch.randn(experts, generator=g, device="cuda").to(torch.bfloat16)
+        counts = routing.block_counters(torch.device("cuda"))
+        for i in range(200):
+            x = torch.randn(1 + i % 4, hidden, generator=g, device="cuda").to(torch.bfloat16)
+            weights, ids = route_softmax_topk_fused(x, w, b, 4, counts=counts)
+            s_weights, s_ids = route_sigmoid_bias_fused(x, w, b.float(), 8, counts=counts)
+            monkeypatch.setattr(routing, "FINISH_IN_PLACE_MAX", 0)  # the two-launch path, for reference
+            ref = route_softmax_topk_fused(x, w, b, 4), route_sigmoid_bias_fused(x, w, b.float(), 8)
+            monkeypatch.setattr(routing, "FINISH_IN_PLACE_MAX", 4)
+            assert torch.equal(ids, ref[0][1]) and torch.equal(weights, ref[0][0]), i
+            assert torch.equal(s_ids, ref[1][1]) and torch.equal(s_weights, ref[1][0]), i
+        assert not counts.any()

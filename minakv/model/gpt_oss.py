@@ -22,7 +22,7 @@ from minakv.ops.moe import moe, route_softmax_topk
 from minakv.ops.mxfp4_layout import tile, tiles_wanted
 from minakv.ops.mxfp4_mma_grouped import fold_fits
 from minakv.ops.mxfp4_moe import moe_mxfp4, takes_pair_order
-from minakv.ops.routing import FUSED_MAX_TOKENS, route_softmax_topk_fused
+from minakv.ops.routing import FUSED_MAX_TOKENS, block_counters, route_softmax_topk_fused
 from minakv.ops.triton_util import use_triton
 from minakv.parallel.experts import run_experts
 from minakv.parallel.group import SINGLE, Parallel
@@ -98,16 +98,22 @@ class GptOssMoE(nn.Module):
         # Alone on its GPU the block may hand its k parts to the next add_rms_norm (DecoderLayer), which
         # sums them; split over ranks, the partial outputs are summed by a collective first.
         self.experts.sum_k = parallel.tp > 1 or parallel.ep > 1
+        self.route_counts: torch.Tensor | None = None  # the fused router's counters (routing.py): `fuse`
+
+    def fuse(self) -> None:
+        """Make the fused router's counters once on the device, before any CUDA graph captures them."""
+        self.route_counts = block_counters(self.router.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x) and x.shape[0] <= FUSED_MAX_TOKENS:  # decode: two launches instead of four
+        if use_triton(x) and x.shape[0] <= FUSED_MAX_TOKENS:  # decode: one or two launches instead of four
             # Alone on its GPU, where the packed experts take the tensor-core GEMV, the router's kernel also
             # writes x as that GEMV reads it (mxfp4_order.py): one launch fewer a layer.
             alone = self.experts.packed and self.parallel.world == 1
             x16 = None
             if alone and takes_pair_order(x, x.shape[0] * self.top_k, self.num_experts):
                 x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-            weights, ids = route_softmax_topk_fused(x, self.router.weight, self.router.bias, self.top_k, x16)
+            router = (self.router.weight, self.router.bias, self.top_k)
+            weights, ids = route_softmax_topk_fused(x, *router, pair_out=x16, counts=self.route_counts)
             if x16 is not None:
                 return self.experts(x, weights, ids, x16)
         else:

@@ -17,7 +17,7 @@ from minakv.model.layers import CausalLM, fp8_resident
 from minakv.ops.fp8_moe import moe_fp8
 from minakv.ops.fp8_tile import KEYS
 from minakv.ops.moe import moe, route_sigmoid_bias
-from minakv.ops.routing import FUSED_MAX_TOKENS, route_sigmoid_bias_fused
+from minakv.ops.routing import FUSED_MAX_TOKENS, block_counters, route_sigmoid_bias_fused
 from minakv.ops.triton_util import use_triton
 from minakv.parallel.experts import run_experts
 from minakv.parallel.group import SINGLE, Parallel
@@ -59,11 +59,16 @@ class MiniMaxM2MoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))  # kept in fp32
         self.experts = MiniMaxM2Experts(local_config(config, parallel))
+        self.route_counts: torch.Tensor | None = None  # the fused router's counters (routing.py): `fuse`
+
+    def fuse(self) -> None:
+        """Make the fused router's counters once on the device, before any CUDA graph captures them."""
+        self.route_counts = block_counters(self.gate.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x) and x.shape[0] <= FUSED_MAX_TOKENS:  # decode: two launches instead of seven
+        if use_triton(x) and x.shape[0] <= FUSED_MAX_TOKENS:  # decode: one or two launches instead of seven
             weights, ids = route_sigmoid_bias_fused(
-                x, self.gate.weight, self.e_score_correction_bias, self.top_k
+                x, self.gate.weight, self.e_score_correction_bias, self.top_k, counts=self.route_counts
             )
         else:
             weights, ids = route_sigmoid_bias(self.gate(x), self.e_score_correction_bias, self.top_k)
