@@ -80,6 +80,26 @@ def test_a_dummy_minimax_engine_keeps_fp8_weights(tmp_path: Path) -> None:
     assert len(out.token_ids) == 4
 
 
+@interpreted
+def test_the_minimax_moe_hands_its_k_parts_to_the_next_norm(tmp_path: Path, monkeypatch) -> None:
+    """Alone on its GPU (Triton paths, interpreted here), MiniMax-M2's FP8 MoE block returns its k weighted
+    fp32 parts for the next add_rms_norm to sum, as GPT-OSS's does (no sum and cast launches of its own);
+    their sum is the block's output with the sum forced inside it."""
+    from minakv.ops import triton_util
+
+    c = dict(REAL_CONFIGS["minimax-m2"])
+    c.update(num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2, hidden_size=256, intermediate_size=128,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=32, vocab_size=512)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    block = Engine(str(tmp_path), load_format="dummy", kv_cache_tokens=256).model.layers[0].mlp
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0)).to(block.gate.weight.dtype)
+    monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)  # every op on its Triton path (interpreted)
+    parts = block(x)
+    assert parts.shape == (1, 2, 256) and parts.dtype == torch.float32
+    monkeypatch.setattr(block.experts, "sum_k", True)
+    assert torch.equal(parts.sum(1).to(x.dtype), block(x))
+
+
 def test_the_engine_decides_once_whether_the_scales_fold(tmp_path: Path) -> None:
     """Dummy MXFP4 scales (2^-7, byte 120) fold into the weights (mxfp4_mma_grouped.FOLD_RANGE); one byte
     outside the range turns folding off for its layer only, when the model is fused again."""

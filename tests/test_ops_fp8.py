@@ -199,13 +199,34 @@ def test_moe_fp8_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     taken = []
     for name in ("moe_fp8_gemv", "moe_fp8_fused", "moe_fp8_grouped"):
         fn = getattr(fp8_moe, name)
-        monkeypatch.setattr(fp8_moe, name, lambda *a, fn=fn, name=name: taken.append(name) or fn(*a))
+        monkeypatch.setattr(
+            fp8_moe, name, lambda *a, fn=fn, name=name, **kw: taken.append(name) or fn(*a, **kw)
+        )
     monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
     assert_matches(moe_fp8(*one), ref_one)
     assert_matches(moe_fp8(*args), ref)
     monkeypatch.setattr(fp8_moe, "FUSED_MAX_PAIRS", 4)
     assert_matches(moe_fp8(*args), ref)
     assert taken == ["moe_fp8_gemv", "moe_fp8_fused", "moe_fp8_grouped"]
+
+
+@interpreted
+def test_moe_fp8_hands_its_k_parts_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sum_k=False (MiniMax-M2's MoE alone on its GPU): the GEMV and the fused kernels return the k weighted
+    fp32 parts [T, k, H] for the next add_rms_norm to sum; the CPU reference and the grouped GEMM sum
+    anyway. Every form agrees with float64."""
+    from minakv.ops import triton_util
+
+    args, ref = moe_case("silu", 3, h=256, i=128, seed=3)  # 6 pairs over 4 experts: the fused kernels
+    one, ref_one = moe_case("silu", 1, h=256, i=128, seed=4)  # 2 pairs: the GEMV
+    assert_matches(moe_fp8(*args, sum_k=False), ref)
+    monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
+    for a, r in ((one, ref_one), (args, ref)):
+        parts = moe_fp8(*a, sum_k=False)
+        assert parts.shape == (r.shape[0], 2, r.shape[1]) and parts.dtype == torch.float32
+        assert_matches(parts.sum(1), r)
+    monkeypatch.setattr(fp8_moe, "FUSED_MAX_PAIRS", 4)
+    assert_matches(moe_fp8(*args, sum_k=False), ref)
 
 
 def test_moe_ref_and_quantize_round_trip() -> None:

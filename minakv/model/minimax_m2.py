@@ -45,11 +45,13 @@ class MiniMaxM2Experts(nn.Module):
         else:
             self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
             self.down = nn.Parameter(torch.empty(e, h, i))
+        self.sum_k = True  # False: the decode kernels may return k parts for the next norm (MiniMaxM2MoE)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.fp8:
-            return moe_fp8(x, {k: getattr(self, k) for k in KEYS}, weights, ids, activation="silu")
-        return moe(x, self.gate_up, self.down, weights, ids, activation="silu")
+            w = {k: getattr(self, k) for k in KEYS}
+            return moe_fp8(x, w, weights, ids, activation="silu", sum_k=self.sum_k)
+        return moe(x, self.gate_up, self.down, weights, ids, activation="silu", sum_k=self.sum_k)
 
 
 class MiniMaxM2MoE(nn.Module):
@@ -59,6 +61,8 @@ class MiniMaxM2MoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))  # kept in fp32
         self.experts = MiniMaxM2Experts(local_config(config, parallel))
+        # as GptOssMoE: alone on its GPU, the k parts go to the next add_rms_norm, which sums them
+        self.experts.sum_k = parallel.tp > 1 or parallel.ep > 1
         self.route_counts: torch.Tensor | None = None  # the fused router's counters (routing.py): `fuse`
 
     def fuse(self) -> None:

@@ -27,7 +27,8 @@ in bf16.
   many pairs (prefill)  `moe_fp8_grouped` (minakv/ops/fp8_grouped.py): pairs sorted by expert on the device,
                         a grouped GEMM over tiles of BLOCK_M rows of one expert.
 
-The kernel paths end with a plain sum over each token's k slots (no atomics: deterministic) and neither
+The kernel paths end with a plain sum over each token's k slots (no atomics: deterministic; at decode the
+GEMV and the fused kernels may hand the k parts to the next add_rms_norm instead, `sum_k`) and neither
 syncs with the host, so a decode step stays capturable in a CUDA graph.
 """
 
@@ -47,7 +48,7 @@ from minakv.ops.fp8_tile import (
     scaled_dot,
 )
 from minakv.ops.fused_moe import SCAN_MAX_PAIRS, _expert_rows, _row_pairs, find_rows
-from minakv.ops.moe_groups import ACTIVATIONS, activate_tile
+from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
 from minakv.ops.quant import dequantize_fp8_block
 from minakv.ops.triton_util import use_triton
 
@@ -69,15 +70,18 @@ def moe_fp8(
     activation: str = "silu",
     limit: float = 7.0,
     alpha: float = 1.702,
+    sum_k: bool = True,
 ) -> torch.Tensor:
-    """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype, the experts in FP8."""
+    """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype, the experts in FP8.
+    sum_k=False lets the decode kernels return their k parts [T, k, H] fp32 for the next add_rms_norm to
+    sum (minakv/ops/norm.py): two launches a layer fewer; the other paths sum anyway (as `moe`)."""
     args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if not use_triton(x):
         return moe_fp8_ref(*args)
     if topk_ids.numel() <= min(GEMV_MAX_PAIRS, w["gate_up"].shape[0]):
-        return moe_fp8_gemv(*args)
+        return moe_fp8_gemv(*args, sum_k=sum_k)
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
-        return moe_fp8_fused(*args)
+        return moe_fp8_fused(*args, sum_k=sum_k)
     return moe_fp8_grouped(*args)
 
 
@@ -118,11 +122,12 @@ def moe_fp8_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None,
 
 
 def moe_fp8_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
-                  limit=7.0, alpha=1.702, *, sort: bool | None = None, block_m: int | None = None,
-                  block_n: int = 32, block_k: int = 128, num_warps: int = 4,
+                  limit=7.0, alpha=1.702, *, sum_k: bool = True, sort: bool | None = None,
+                  block_m: int | None = None, block_n: int = 32, block_k: int = 128, num_warps: int = 4,
                   num_stages: int = 4) -> torch.Tensor:  # fmt: skip
-    """The decode path: two kernels, each chosen expert's FP8 weights read once. The keyword-only knobs are
-    for benchmarks and tests (block_k divides 128; sort None: sort above fused_moe's SCAN_MAX_PAIRS)."""
+    """The decode path: two kernels, each chosen expert's FP8 weights read once (sum_k as in `moe_fp8`). The
+    other keyword-only knobs are for benchmarks and tests (block_k divides 128; sort None: sort above
+    fused_moe's SCAN_MAX_PAIRS)."""
     num_experts, hidden, inter = expert_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
@@ -154,7 +159,7 @@ def moe_fp8_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0),
         HAS_BIAS=down_bias is not None, **meta,
     )  # fmt: skip
-    return y.view(num_tokens, k, hidden).sum(1).to(x.dtype)
+    return k_parts(y, num_tokens, k, x.dtype, sum_k)
 
 
 @triton.jit
