@@ -11,8 +11,10 @@ read twice the bytes. Times are medians of CUDA-graph replays (as the engine run
 overhead is not counted; the glue of each path (sorts, partial sums, the final sum) is.
 
 --layers N: one decode step of N MiniMax-M2-shaped layers, weights only: q, k, v, o (o applied to q, standing
-in for attention's output), the bf16 router and routing (fused, as the model runs a decode batch) and the experts; attention and norms left out. Every
-layer has its own weights, so nothing is served from L2 between layers. Bound: N layers' bytes.
+in for attention's output), the residual adds with their RMSNorms (one kernel each, the second summing the
+experts' k parts, as the model runs them), the bf16 router and routing (fused, its counters kept per layer,
+as the model runs a decode batch) and the experts; attention left out. Every layer has its own weights, so
+nothing is served from L2 between layers. Bound: N layers' bytes.
 
 Weights are random bytes (NaN codes avoided) with scales in [2^-14, 2^-13]: an rms near 0.01, though
 log-uniform rather than normal (timing does not care; correctness is tests/test_ops_fp8.py's job, and
@@ -41,8 +43,9 @@ from minakv.ops.fp8_moe import FUSED_MAX_PAIRS, GEMV_MAX_PAIRS, moe_fp8, moe_fp8
 from minakv.ops.fp8_tile import KEYS, dequantize_experts
 from minakv.ops.fused_moe import SCAN_MAX_PAIRS, moe_fused
 from minakv.ops.moe import moe_grouped, route_sigmoid_bias
+from minakv.ops.norm import add_rms_norm
 from minakv.ops.quant import dequantize_fp8_block
-from minakv.ops.routing import route_sigmoid_bias_fused
+from minakv.ops.routing import block_counters, route_sigmoid_bias_fused
 from minakv.ops.triton_util import use_triton
 
 FULL = {"hidden": 3072, "q": 6144, "kv": 1024, "experts": 256, "topk": 8, "inter": 1536}
@@ -185,8 +188,10 @@ class Bench:
                                             ("v", s["kv"], s["hidden"]), ("o", s["hidden"], s["q"]))}  # fmt: skip
             router = torch.randn(s["experts"], s["hidden"], generator=self.gen, device=self.device) * 0.02
             layer["router"], layer["experts"] = router.to(self.dtype), self.experts()
+            layer["counts"] = block_counters(torch.device(self.device))
             layers.append(layer)
         bias = torch.zeros(s["experts"], device=self.device)
+        norm = torch.ones(s["hidden"], device=self.device)
         dense = sum(t.numel() + 4 * sc.numel() for t, sc in (layers[0][n] for n in "qkvo"))
         dense += layers[0]["router"].numel() * layers[0]["router"].element_size()
         per_expert = sum(layers[0]["experts"][n][0].numel() * (1 if "scale" not in n else 4) for n in KEYS)
@@ -195,18 +200,20 @@ class Bench:
             touched: list[int] = []
 
             def step(x0=x0, touched=touched) -> torch.Tensor:
-                x = x0
-                for layer in layers:
-                    q = linear_fp8(x, *layer["q"])
-                    linear_fp8(x, *layer["k"]), linear_fp8(x, *layer["v"])
-                    x = x + linear_fp8(q, *layer["o"])
+                x = h = x0
+                for layer in layers:  # as DecoderLayer.forward, alone on its GPU
+                    q = linear_fp8(h, *layer["q"])
+                    linear_fp8(h, *layer["k"]), linear_fp8(h, *layer["v"])
+                    x, h = add_rms_norm(x, linear_fp8(q, *layer["o"]), norm, 1e-6, False)
                     weights, ids = route_sigmoid_bias_fused(
-                        x, layer["router"], bias, s["topk"]
-                    )  # as the model
+                        h, layer["router"], bias, s["topk"], layer["counts"]
+                    )
                     if len(touched) < num_layers:  # the eager first call (a host sync: not in the graph)
                         touched.append(int(torch.unique(ids).numel()))
-                    x = x + moe_fp8(x, layer["experts"], weights, ids)
-                return x
+                    x, h = add_rms_norm(
+                        x, moe_fp8(h, layer["experts"], weights, ids, sum_k=False), norm, 1e-6, False
+                    )
+                return h
 
             step()
             need = num_layers * dense + sum(touched) * per_expert
