@@ -80,6 +80,36 @@ def test_a_dummy_minimax_engine_keeps_fp8_weights(tmp_path: Path) -> None:
     assert len(out.token_ids) == 4
 
 
+def test_minimax_fp8_q_k_v_run_as_one_projection(tmp_path: Path) -> None:
+    """fuse() stacks MiniMax-M2's FP8 q, k and v (whole 128-row scale blocks each) into one weight and one
+    scale grid, the three projections becoming views of them (the engine's worker fuses); the one product
+    equals the three of an unfused copy, each block with its own scale."""
+    import copy
+
+    from minakv.ops.fp8_linear import linear_fp8
+    from minakv.presets.real import build_dummy
+
+    c = dict(REAL_CONFIGS["minimax-m2"])
+    c.update(num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2, hidden_size=256, intermediate_size=128,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=32, vocab_size=512)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    assert Engine(str(tmp_path), load_format="dummy", kv_cache_tokens=256).model.layers[0].self_attn.qkv
+    plain = build_dummy(str(tmp_path), torch.device("cpu"), torch.float32).layers[0].self_attn
+    gen = torch.Generator().manual_seed(1)
+    for name in ("q_proj", "k_proj", "v_proj"):  # (dummy scales are all 0.02: give each block its own)
+        scales = getattr(plain, name).weight_scale_inv
+        scales.copy_(0.01 + 0.02 * torch.rand(scales.shape, generator=gen))
+    attn = copy.deepcopy(plain)
+    attn.fuse()
+    weight, scales = attn.qkv
+    assert weight.shape == (256 + 2 * 128, 256) and scales.shape == (4, 2)
+    assert attn.k_proj.weight.data_ptr() == weight[256:].data_ptr()
+    x = torch.randn(3, 256, generator=gen)
+    unfused = torch.cat([plain.q_proj(x), plain.k_proj(x), plain.v_proj(x)], -1)
+    torch.testing.assert_close(linear_fp8(x, weight, scales), unfused, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1), unfused)
+
+
 @interpreted
 def test_the_minimax_moe_hands_its_k_parts_to_the_next_norm(tmp_path: Path, monkeypatch) -> None:
     """Alone on its GPU (Triton paths, interpreted here), MiniMax-M2's FP8 MoE block returns its k weighted

@@ -101,23 +101,34 @@ class Attention(nn.Module):
         self.q_norm = make_norm(c, c.num_heads * c.head_dim) if c.qk_norm else None
         self.k_norm = make_norm(c, c.num_kv_heads * c.head_dim) if c.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if c.sinks else None
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # q, k, v in one weight: fuse()
+        # q, k, v in one weight: fuse(); (weight, bias), or (FP8 weight, its scale grid)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.qkv_sizes = [c.num_heads * c.head_dim, *[c.num_kv_heads * c.head_dim] * 2]
 
     def fuse(self) -> None:
-        """Serve q, k and v from one weight (the three projections' parameters become views of it), so a
+        """Serve q, k and v from one weight (the three projections' tensors become views of it), so a
         forward runs one GEMM instead of three: at decode batch 1 a launch costs more than its bytes. Plain
-        linear layers only (FP8 ones keep their kernel)."""
+        linear layers, or FP8 ones whose rows fill whole 128-row scale blocks (their scale grids then stack
+        as the weights do: MiniMax-M2's q, k and v, 6144 + 1024 + 1024 rows)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv is not None or not all(type(p) is Linear for p in projs):
+        if self.qkv is not None:
             return
-        weight = torch.cat([p.weight.detach() for p in projs])
-        bias = torch.cat([p.bias.detach() for p in projs]) if projs[0].bias is not None else None
-        for i, (p, w) in enumerate(zip(projs, weight.split(self.qkv_sizes))):
-            p.weight = nn.Parameter(w, requires_grad=False)
-            if bias is not None:
-                p.bias = nn.Parameter(bias.split(self.qkv_sizes)[i], requires_grad=False)
-        self.qkv = (weight, bias)
+        if all(type(p) is Linear for p in projs):
+            weight = torch.cat([p.weight.detach() for p in projs])
+            bias = torch.cat([p.bias.detach() for p in projs]) if projs[0].bias is not None else None
+            for i, (p, w) in enumerate(zip(projs, weight.split(self.qkv_sizes))):
+                p.weight = nn.Parameter(w, requires_grad=False)
+                if bias is not None:
+                    p.bias = nn.Parameter(bias.split(self.qkv_sizes)[i], requires_grad=False)
+            self.qkv = (weight, bias)
+        elif all(type(p) is Fp8Linear and p.weight.shape[0] % 128 == 0 for p in projs):
+            weight = torch.cat([p.weight for p in projs])
+            scales = torch.cat([p.weight_scale_inv for p in projs])
+            for p, w, sc in zip(
+                projs, weight.split(self.qkv_sizes), scales.split([n // 128 for n in self.qkv_sizes])
+            ):
+                p.weight, p.weight_scale_inv = w, sc  # (buffers: views of the stacked ones)
+            self.qkv = (weight, scales)
 
     def _apply(self, fn, recurse: bool = True):
         """`.to()`, `.half()`, `to_empty()`: they replace the parameters one by one, so the fused weight would
@@ -133,7 +144,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
         if self.qkv is not None:  # views of one [T, q + 2 kv] product: the kernels below take strides
-            q, k, v = linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
+            project = linear_fp8 if self.qkv[0].dtype == torch.float8_e4m3fn else linear
+            q, k, v = project(x, *self.qkv).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
