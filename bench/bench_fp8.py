@@ -10,11 +10,12 @@ run. Linear: the whole weight. MoE: the distinct experts routed to, times an exp
 read twice the bytes. Times are medians of CUDA-graph replays (as the engine runs decode), so host launch
 overhead is not counted; the glue of each path (sorts, partial sums, the final sum) is.
 
---layers N: one decode step of N MiniMax-M2-shaped layers, weights only: q, k, v, o (o applied to q, standing
-in for attention's output), the residual adds with their RMSNorms (one kernel each, the second summing the
-experts' k parts, as the model runs them), the bf16 router and routing (fused, its counters kept per layer,
-as the model runs a decode batch) and the experts; attention left out. Every layer has its own weights, so
-nothing is served from L2 between layers. Bound: N layers' bytes.
+--layers N: one decode step of N MiniMax-M2-shaped layers, weights only: q, k and v in one projection (as
+the model fuses them), o (applied to q, standing in for attention's output), the residual adds with their
+RMSNorms (one kernel each, the second summing the experts' k parts, as the model runs them), the bf16
+router and routing (fused, its counters kept per layer, as the model runs a decode batch) and the experts;
+attention and the q/k norms left out. Every layer has its own weights, so nothing is served from L2
+between layers. Bound: N layers' bytes.
 
 Weights are random bytes (NaN codes avoided) with scales in [2^-14, 2^-13]: an rms near 0.01, though
 log-uniform rather than normal (timing does not care; correctness is tests/test_ops_fp8.py's job, and
@@ -189,6 +190,8 @@ class Bench:
             router = torch.randn(s["experts"], s["hidden"], generator=self.gen, device=self.device) * 0.02
             layer["router"], layer["experts"] = router.to(self.dtype), self.experts()
             layer["counts"] = block_counters(torch.device(self.device))
+            # q, k and v stacked (weights and scale grids) into one projection, as Attention.fuse does
+            layer["qkv"] = tuple(torch.cat([layer[n][i] for n in "qkv"]) for i in (0, 1))
             layers.append(layer)
         bias = torch.zeros(s["experts"], device=self.device)
         norm = torch.ones(s["hidden"], device=self.device)
@@ -202,8 +205,7 @@ class Bench:
             def step(x0=x0, touched=touched) -> torch.Tensor:
                 x = h = x0
                 for layer in layers:  # as DecoderLayer.forward, alone on its GPU
-                    q = linear_fp8(h, *layer["q"])
-                    linear_fp8(h, *layer["k"]), linear_fp8(h, *layer["v"])
+                    q = linear_fp8(h, *layer["qkv"])[:, : s["q"]]
                     x, h = add_rms_norm(x, linear_fp8(q, *layer["o"]), norm, 1e-6, False)
                     weights, ids = route_sigmoid_bias_fused(
                         h, layer["router"], bias, s["topk"], layer["counts"]
