@@ -135,6 +135,16 @@ def _rms_norm() -> None:
         rms_norm(torch.randn(2, size).to(BF16), torch.randn(size).to(BF16), 1e-5, in_fp32)
 
 
+@case("rms_norm_two")
+def _rms_norm_two() -> None:
+    """MiniMax-M2's q and k norms in one launch, on views of the q/k/v product (strided rows)."""
+    from minakv.ops.norm import rms_norm_two
+
+    for tokens in (1, 64):
+        q, k, _ = torch.randn(tokens, 6144 + 2 * 1024).to(BF16).split([6144, 1024, 1024], dim=-1)
+        rms_norm_two(q, torch.randn(6144).to(BF16), k, torch.randn(1024).to(BF16), 1e-6, False)
+
+
 @case("add_rms_norm")
 def _add_rms_norm() -> None:
     """The residual add fused with the next norm, both families' ways of applying the weight."""

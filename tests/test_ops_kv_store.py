@@ -161,6 +161,29 @@ def test_kernels_on_cuda(dtype: torch.dtype) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("weight_in_fp32", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_two_is_two_norms(weight_in_fp32: bool, dtype: torch.dtype) -> None:
+    """rms_norm_two's kernel (MiniMax-M2's q and k norms, one launch) on strided views of one q/k/v
+    product: each output against float64 as above, with its own weight and size (k's sums run over q's
+    wider block, masked)."""
+    from minakv.ops.norm import rms_norm_two_triton
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, _ = (torch.randn(3, 96 + 2 * 40, generator=gen) * 4).to(dtype).split([96, 40, 40], dim=-1)
+    wq, wk = 1 + torch.randn(96, generator=gen), 1 + torch.randn(40, generator=gen)
+    wq, wk = (wq, wk) if weight_in_fp32 else (wq.to(dtype), wk.to(dtype))
+    qn, kn = rms_norm_two_triton(q, wq, k, wk, 1e-6, weight_in_fp32)
+    step = 2 * BF16_STEP if dtype == torch.bfloat16 and not weight_in_fp32 else 0
+    for ours, x, w in ((qn, q, wq), (kn, k, wk)):
+        xd = x.double()
+        assert ours.shape == x.shape and ours.dtype == dtype
+        assert_close_rel(
+            ours, w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6), dtype, step
+        )
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_sums_moe_parts(dtype: torch.dtype) -> None:
     """A MoE block's k fp32 parts [T, k, D] are summed in fp32 and rounded to x's dtype before the add, as

@@ -26,7 +26,7 @@ from minakv.model.config import ModelConfig
 from minakv.model.context import AttentionContext, AttentionLayer
 from minakv.ops.bf16_gemv import linear
 from minakv.ops.fp8_linear import linear_fp8
-from minakv.ops.norm import add_rms_norm, rms_norm
+from minakv.ops.norm import add_rms_norm, rms_norm, rms_norm_two
 from minakv.ops.rope import Rope
 from minakv.parallel.group import SINGLE, Parallel
 from minakv.parallel.shard import check_layout, local_config
@@ -157,8 +157,9 @@ class Attention(nn.Module):
         return self.parallel.attn_all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.parallel.tp == 1:
-            return self.q_norm(q), self.k_norm(k)
+        if self.parallel.tp == 1:  # both in one launch
+            qn, kn = self.q_norm, self.k_norm
+            return rms_norm_two(q, qn.weight, k, kn.weight, qn.eps, qn.weight_in_fp32)
         # The norm is over all heads and a rank holds 1/tp of them: sum the squares over the ranks (q's
         # and k's in one all-reduce), then scale as rms_norm_ref does.
         squares = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], dim=-1)

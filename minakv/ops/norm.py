@@ -39,35 +39,53 @@ def rms_norm_ref(
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = True
 ) -> torch.Tensor:
-    size = x.shape[-1]
-    check(weight.shape == (size,), f"weight is {tuple(weight.shape)}, expected ({size},)")
-    rows = x.reshape(-1, size)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        block = triton.next_power_of_2(size)
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, size, rows.stride(0), float(eps),
+    return rms_norm_two_triton(x, weight, None, None, eps, weight_in_fp32)[0]
+
+
+def rms_norm_two(
+    a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor, eps: float,
+    weight_in_fp32: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(rms_norm(a, weight_a), rms_norm(b, weight_b)) for a and b of the same rows, in one launch on the GPU
+    (MiniMax-M2's q and k norms: one kernel a layer fewer at decode)."""
+    if use_triton(a):
+        return rms_norm_two_triton(a, weight_a, b, weight_b, eps, weight_in_fp32)
+    return rms_norm_ref(a, weight_a, eps, weight_in_fp32), rms_norm_ref(b, weight_b, eps, weight_in_fp32)
+
+
+def rms_norm_two_triton(a, weight_a, b, weight_b, eps, weight_in_fp32=True) -> tuple[torch.Tensor, ...]:
+    """The kernel for one tensor (b None) or two: a program per (row, tensor)."""
+    ins = [(a, weight_a)] + ([(b, weight_b)] if b is not None else [])
+    rows, outs = [], []
+    for x, weight in ins:
+        size = x.shape[-1]
+        check(weight.shape == (size,), f"weight is {tuple(weight.shape)}, expected ({size},)")
+        r = x.reshape(-1, size)
+        rows.append(r if r.stride(-1) == 1 else r.contiguous())
+        outs.append(torch.empty(rows[-1].shape, dtype=x.dtype, device=x.device))
+    check(
+        len(ins) == 1 or (b.dtype == a.dtype and rows[1].shape[0] == rows[0].shape[0]), "a and b: same rows"
+    )
+    if rows[0].shape[0]:
+        block = triton.next_power_of_2(max(r.shape[1] for r in rows))
+        second = (rows[-1], ins[-1][1], outs[-1], rows[-1].shape[1], rows[-1].stride(0))
+        _rms_norm_kernel[(rows[0].shape[0], len(ins))](
+            rows[0], ins[0][1], outs[0], rows[0].shape[1], rows[0].stride(0), *second, float(eps),
             BLOCK=block, WEIGHT_IN_FP32=weight_in_fp32, num_warps=min(16, max(1, block // 256)),
             **pdl_options(),
         )  # fmt: skip
-    return out.view(x.shape)
+    return tuple(out.view(x.shape) for out, (x, _) in zip(outs, ins))
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    size,
-    stride,
-    eps,
-    BLOCK: tl.constexpr,
-    WEIGHT_IN_FP32: tl.constexpr,
-    USE_GDC: tl.constexpr,
-):
+    x_ptr, w_ptr, out_ptr, size, stride, x2_ptr, w2_ptr, out2_ptr, size2, stride2, eps,
+    BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, USE_GDC: tl.constexpr,
+):  # fmt: skip
+    """Row program_id(0) of x (program_id(1) == 0) or of x2 (== 1), each with its own weight and size."""
     row = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 1:
+        x_ptr, w_ptr, out_ptr, size, stride = x2_ptr, w2_ptr, out2_ptr, size2, stride2
     offs = tl.arange(0, BLOCK)
     ok = offs < size
     if USE_GDC:  # (triton_util.PDL) the kernel before may still be writing x
