@@ -7,8 +7,9 @@ matching transformers bit for bit.
 
 The torch form is seven elementwise and reduction kernels per call; a decode step calls it twice per
 layer, so on the GPU those launches cost more than the bytes (a few KB per token). The kernel does the
-same arithmetic, one program per row. `add_rms_norm` also takes the residual add before it (x + update,
-then the norm of that), so a layer's two adds cost no launch of their own.
+same arithmetic, one program per row (`rms_norm_two`: per row of each of two tensors, MiniMax-M2's q and k
+norms in one launch). `add_rms_norm` also takes the residual add before it (x + update, then the norm of
+that), so a layer's two adds cost no launch of their own.
 """
 
 from __future__ import annotations
