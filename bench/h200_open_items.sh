@@ -29,7 +29,7 @@
 #   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens), grouped GEMMs (64; prefill 4,096) in rows and in tiles (mxfp4_layout.py), kernels (err column) ~160 s
 #   b1        issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 with its kernel table, 20,000-token pool (fits an H100) ~150 s
 #   tiles     issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 and 64, experts in rows then in tiles (mxfp4_layout.py), kernel tables ~330 s
-#   gputests  issue 12: the GPU tests of the model, the MXFP4 kernels and routing (test_model_gpu.py, test_ops_mxfp4.py, test_ops_routing.py) ~110 s
+#   gputests  issue 12: the GPU tests of the model, the MXFP4 and FP8 kernels, routing, norms and RoPE (test_model_gpu.py, test_ops_{mxfp4,routing,fp8,kv_store}.py) ~150 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
 # bench/serve_replay.sh) for `serve`; the other steps need no tokenizer.
@@ -93,6 +93,7 @@ for step in $STEPS; do
                 mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_120b_$layout.json"
             done ;;
         gputests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_model_gpu.py tests/test_ops_mxfp4.py tests/test_ops_routing.py \
+            tests/test_ops_fp8.py tests/test_ops_kv_store.py \
             -k "gpu or cuda" ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;
         *) echo "unknown step $step" ;;

@@ -128,7 +128,7 @@ def assert_close_rel(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_on_cuda(dtype: torch.dtype) -> None:
     """Compiled, at gpt-oss-20b's attention shape (64 / 8 heads of 64) and MiniMax-M2's (48 / 8 of 128,
-    half rotary): within one bf16 step of float64, and RMSNorm over 2880."""
+    half rotary): within one bf16 step of float64, RMSNorm over 2880, and MiniMax-M2's q and k norms."""
     for num_heads, num_kv_heads, head_dim, rotary_dim in [(64, 8, 64, 64), (48, 8, 128, 64)]:
         gen = torch.Generator(device="cuda").manual_seed(head_dim)
         tokens, num_slots = 300, 1000
@@ -158,6 +158,19 @@ def test_kernels_on_cuda(dtype: torch.dtype) -> None:
         rtol=1e-5 if dtype == torch.float32 else BF16_STEP,
         atol=1e-5,
     )
+    # MiniMax-M2's q and k norms in one launch, on views of its q/k/v product (weights in the model dtype)
+    from minakv.ops.norm import rms_norm_two_triton
+
+    q, k, _ = (torch.randn(5, 8192, device="cuda") * 3).to(dtype).split([6144, 1024, 1024], dim=-1)
+    wq, wk = (
+        (1 + torch.randn(6144, device="cuda")).to(dtype),
+        (1 + torch.randn(1024, device="cuda")).to(dtype),
+    )
+    for ours, x, w in zip(rms_norm_two_triton(q, wq, k, wk, 1e-6, False), (q, k), (wq, wk)):
+        xd = x.double()
+        ref = w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+        rtol = 1e-5 if dtype == torch.float32 else 3 * BF16_STEP  # (bf16: the normed value rounded, then w x)
+        torch.testing.assert_close(ours.double(), ref, rtol=rtol, atol=1e-5)
 
 
 @interpreted
