@@ -53,7 +53,7 @@ def test_tile_round_trip() -> None:
 @interpreted
 @pytest.mark.parametrize("name, fn, knobs", PATHS, ids=[p[0] for p in PATHS])
 def test_paths_read_tiles(name: str, fn, knobs: dict) -> None:
-    t = 3 if fn is moe_mxfp4_gemv else 5  # the GEMV: pairs no more than the experts
+    t = 1 if fn is moe_mxfp4_gemv else 5  # the GEMV: one token (its pairs no more than the experts)
     args, ref = case("swiglu_oai", t, e=3, h=96, i=160, seed=len(name))
     in_rows = fn(*args, **knobs)
     in_tiles = fn(args[0], tile_rows(args[1]), *args[2:], **knobs, tiled=True)
