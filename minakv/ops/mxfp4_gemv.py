@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS, activate_tile, k_parts
-from minakv.ops.mxfp4_layout import row_starts
+from minakv.ops.mxfp4_layout import group_offsets, row_starts, scale_offsets
 from minakv.ops.mxfp4_mma import moe_mxfp4_mma
 from minakv.ops.mxfp4_order import pair_position
 from minakv.ops.mxfp4_ptx import dot8, dot8_load
@@ -128,13 +128,15 @@ def _rows(blocks_ptr, scales_ptr, expert, N, stride_be, stride_bn, stride_se, st
 def _load(word_rows, scale_rows, n_ok, g0, num_groups, GROUPS: tl.constexpr, TILED: tl.constexpr):
     """The rows' packed words [BN, G, 4] (a group's 16 bytes: one vector load) and group scales [BN, G]
     (fp32 2^(s - 127) * 2^14) for inputs [g0 * 32, (g0 + G) * 32); 0 past the end."""
-    GW: tl.constexpr = 64 if TILED else 4  # words from a group to the next (mxfp4_layout.py)
-    SG: tl.constexpr = 16 if TILED else 1
     offs_g = g0 + tl.arange(0, GROUPS)
     ok = n_ok[:, None] & (offs_g < num_groups)[None, :]
-    ptrs = word_rows[:, :, None] + offs_g[None, :, None] * GW + tl.arange(0, 4)[None, None, :]
+    ptrs = (
+        word_rows[:, :, None]
+        + group_offsets(offs_g, 4, TILED)[None, :, None]
+        + tl.arange(0, 4)[None, None, :]
+    )
     words = tl.load(ptrs, mask=ok[:, :, None], other=0)
-    s = tl.load(scale_rows + offs_g[None, :] * SG, mask=ok, other=0).to(tl.uint32) + 14
+    s = tl.load(scale_rows + scale_offsets(offs_g, TILED)[None, :], mask=ok, other=0).to(tl.uint32) + 14
     return words, (s << 23).to(tl.float32, bitcast=True)
 
 

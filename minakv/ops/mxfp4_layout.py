@@ -106,3 +106,19 @@ def byte_offsets(offs_b, TILED: tl.constexpr):
     if TILED:
         return (offs_b // 16) * 256 + offs_b % 16
     return offs_b
+
+
+@triton.jit
+def group_offsets(offs_g, UNIT: tl.constexpr, TILED: tl.constexpr):
+    """Offsets from a row's first byte of its groups offs_g, in elements of UNIT bytes (as `row_starts`)."""
+    if TILED:
+        return offs_g * (256 // UNIT)
+    return offs_g * (16 // UNIT)
+
+
+@triton.jit
+def scale_offsets(offs_g, TILED: tl.constexpr):
+    """Offsets from a row's first scale of its groups offs_g' scales."""
+    if TILED:
+        return offs_g * 16
+    return offs_g

@@ -189,8 +189,8 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
     unroll: groups a step (4 or 8). splits: programs along the input for gate/up and for down (split-K:
     more, shorter chains of loads); gate/up's partials are summed by mxfp4_gemv.finish_gate_up, down's
     come back as extra parts (sum_k=False: [T, k * splits, H]) or are summed here. tiled: the weights are
-    in tiles (mxfp4_layout.py). x16: `pair_order(x)` if already made
-    (the router's first kernel writes it, routing.py)."""
+    in tiles (mxfp4_layout.py). x16: `pair_order(x)` if already made (the router's kernel writes it,
+    routing.py)."""
     from minakv.ops.mxfp4_gemv import finish_gate_up  # here: mxfp4_gemv imports this module
 
     num_tokens, k = topk_ids.shape

@@ -4,8 +4,8 @@
 decodes and runs its MMAs. The kernel reads at ~34% of the copy bandwidth at one token on the H100, where a
 plain read reaches 85%; more loads in flight a warp (a `cp.async` ring in shared memory; 8 groups a step
 with the inputs loaded late) and fewer L1 wavefronts (whole groups a lane) did not change that
-(docs/kernels.md, bench/RESULTS.md). `tiled` reads the weights in tiles (mxfp4_layout.py), where a warp load is one
-128-byte line instead of 16 bytes of 8 rows: the experiment that tests the DRAM side.
+(docs/kernels.md, bench/RESULTS.md). `tiled` reads the weights in tiles (mxfp4_layout.py), where a warp
+load is one 128-byte line instead of 16 bytes of 8 rows: the experiment that tests the DRAM side.
 """
 
 from __future__ import annotations

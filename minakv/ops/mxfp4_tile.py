@@ -12,8 +12,8 @@ The packed layout (minakv/ops/quant.py), one expert, one output row n of a weigh
 (The checkpoint's layout; the same bytes may sit in 16-row tiles instead, minakv/ops/mxfp4_layout.py, which
 every loader here reads when told `TILED`.) So a row's bytes are contiguous (group g's 16 bytes come right
 after group g-1's), and the weight tile for output rows n..n+BN and inputs k0..k0+BK is a plain [BN, BK/2]
-byte tile plus a [BN, BK/32] scale tile: a quarter of the bf16 tile's bytes and 1/64 more for the scales. `load_mxfp4_tile` loads both and
-expands them in registers, the weights never exist in bf16 in memory:
+byte tile plus a [BN, BK/32] scale tile: a quarter of the bf16 tile's bytes and 1/64 more for the scales.
+`load_mxfp4_tile` loads both and expands them in registers, the weights never exist in bf16 in memory:
 
     bytes [BN, BK/2] --& 0xF--> even codes --+
                      --  >> 4-> odd codes  --+-- interleave --> codes [BN, BK] -- e2m1 --> values
@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from minakv.ops.moe_groups import ACTIVATIONS
-from minakv.ops.mxfp4_layout import byte_offsets
+from minakv.ops.mxfp4_layout import byte_offsets, group_offsets, scale_offsets
 from minakv.ops.triton_util import check, interpreting
 
 # how the GEMMs consume a packed tile: 0 the interleaved tile and one tl.dot; 1 the even / odd halves and two
@@ -148,7 +148,6 @@ def load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr,
     (mxfp4_layout.packed_rows); TILED: the weights in tiles (mxfp4_layout.py)."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
     BN: tl.constexpr = byte_rows.shape[0]
-    SG: tl.constexpr = 16 if TILED else 1  # scales from a group to the next
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     packed = tl.load(
         byte_rows + byte_offsets(offs_b, TILED)[None, :],
@@ -157,7 +156,9 @@ def load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr,
     )
     offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     scale = tl.load(
-        scale_rows + offs_g[None, :] * SG, mask=row_ok[:, None] & (offs_g < K // 32)[None, :], other=127
+        scale_rows + scale_offsets(offs_g, TILED)[None, :],
+        mask=row_ok[:, None] & (offs_g < K // 32)[None, :],
+        other=127,
     )
     values = tl.interleave(e2m1_values(packed & 0xF, BF16), e2m1_values(packed >> 4, BF16))
     values = tl.reshape(values, (BN, BLOCK_K // 32, 32)) * e8m0_values(scale, BF16)[:, :, None]
@@ -198,15 +199,16 @@ def load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexp
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
     BN: tl.constexpr = byte_rows.shape[0]
     G: tl.constexpr = BLOCK_K // 32
-    GB: tl.constexpr = 256 if TILED else 16  # bytes from a group to the next
-    SG: tl.constexpr = 16 if TILED else 1
     offs_g = k0 // 32 + tl.arange(0, G)
     g_ok = row_ok[:, None] & (offs_g < K // 32)[None, :]  # [BN, G]: masks whole groups, keeps vector loads
-    ptrs = byte_rows[:, :, None] + offs_g[None, :, None] * GB + tl.arange(0, 16)[None, None, :]
+    ptrs = (
+        byte_rows[:, :, None]
+        + group_offsets(offs_g, 1, TILED)[None, :, None]
+        + tl.arange(0, 16)[None, None, :]
+    )
     packed = tl.load(ptrs, mask=g_ok[:, :, None], other=0)
-    s = (
-        tl.load(scale_rows + offs_g[None, :] * SG, mask=g_ok, other=0).to(tl.uint32) + 14
-    )  # 2^(s - 127) * 2^14
+    s = tl.load(scale_rows + scale_offsets(offs_g, TILED)[None, :], mask=g_ok, other=0).to(tl.uint32)
+    s += 14  # 2^(s - 127) * 2^14
     if BF16:
         scale = (s << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         lo = e2m1_f16(packed & 0xF).to(tl.bfloat16) * scale[:, :, None]
@@ -270,7 +272,6 @@ def dot_packed(a, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constex
     BLOCK_K / 32] E8M0 scales. Triton loads the bytes to shared memory in its pipeline, reads them in the
     MMA operand's layout and upcasts there, so no dequantized tile is ever shuffled between layouts."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
-    SG: tl.constexpr = 16 if TILED else 1
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     bytes_t = tl.load(
         tl.trans(byte_rows) + byte_offsets(offs_b, TILED)[:, None],
@@ -279,7 +280,9 @@ def dot_packed(a, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constex
     )
     offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     scales = tl.load(
-        scale_rows + offs_g[None, :] * SG, mask=row_ok[:, None] & (offs_g < K // 32)[None, :], other=0
+        scale_rows + scale_offsets(offs_g, TILED)[None, :],
+        mask=row_ok[:, None] & (offs_g < K // 32)[None, :],
+        other=0,
     )
     return tl.dot_scaled(a, None, "bf16", bytes_t, scales, "e2m1", acc)
 
