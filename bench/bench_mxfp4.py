@@ -28,6 +28,7 @@ from common import Log, bench_ms, copy_bandwidth, rel_err
 from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, moe_loop, route_softmax_topk
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
+from minakv.ops.mxfp4_layout import tile
 from minakv.ops.mxfp4_moe import FUSED_MAX_PAIRS, moe_mxfp4, moe_mxfp4_fused
 from minakv.ops.quant import dequantize_mxfp4
 
@@ -49,7 +50,8 @@ GROUPED_SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages)
 
 def make_layer(experts: int, tokens: int, h: int = H, i: int = I, k: int = K, device: str = "cuda",
                dtype: torch.dtype = torch.bfloat16, seed: int = 0):  # fmt: skip
-    """Random packed experts (uniform nibbles, scales 2^-8 .. 2^-5: weights ~0.02) and a routed batch."""
+    """Random packed experts (uniform nibbles, scales 2^-8 .. 2^-5: weights ~0.02; read as the tiles the
+    kernels take, minakv/ops/mxfp4_layout.py) and a routed batch."""
     gen = torch.Generator(device).manual_seed(seed)
 
     def packed(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,12 +69,13 @@ def make_layer(experts: int, tokens: int, h: int = H, i: int = I, k: int = K, de
 
 
 def dequantized(w: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up, down) in dtype, one expert at a time (the fp32/int64 temporaries of a whole 120b layer
-    would take tens of GB)."""
+    """(gate_up, down) in dtype from the tiles, one expert at a time (the fp32/int64 temporaries of a whole
+    120b layer would take tens of GB)."""
 
     def one(name: str) -> torch.Tensor:
         blocks, scales = w[name + "_blocks"], w[name + "_scales"]
-        return torch.stack([dequantize_mxfp4(blocks[e], scales[e], dtype) for e in range(blocks.shape[0])])
+        rows = [tile(blocks[e], scales[e], back=True) for e in range(blocks.shape[0])]
+        return torch.stack([dequantize_mxfp4(b, s, dtype) for b, s in rows])
 
     return one("gate_up"), one("down")
 

@@ -117,11 +117,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the bf16 projections through F.linear at batch 1 too (not the GEMV)",
     )
     p.add_argument(
-        "--mxfp4-tiles",
-        action="store_true",
-        help="MXFP4 experts stored in 16-row tiles (MINAKV_MXFP4_TILES=1, minakv/ops/mxfp4_layout.py)",
-    )
-    p.add_argument(
         "--kv-tokens", type=int, default=None, help="KV pool size (default: what the batches need)"
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -147,8 +142,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth() * max(args.tp, args.ep) if DEVICE == "cuda" else None  # (summed over the GPUs)
     t = time.perf_counter()
-    if args.mxfp4_tiles:  # read by GptOssExperts.fuse, in this process and in worker processes
-        os.environ["MINAKV_MXFP4_TILES"] = "1"
     if args.cublas:  # (layers.py looks `linear` up at each call; worker processes would not see this)
         import minakv.model.layers
 

@@ -26,9 +26,8 @@
 #   pdl       issue 12: gpt-oss-120b (dummy) and 20b decode at batch 1 and 64, without then with EngineConfig.pdl ~300 s
 #   cublas    issue 12: gpt-oss-20b and 120b (dummy) at batch 1, the bf16 projections' GEMV then cuBLAS   ~200 s
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
-#   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens), grouped GEMMs (64; prefill 4,096) in rows and in tiles (mxfp4_layout.py), kernels (err column) ~160 s
+#   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens), grouped GEMMs (64-1,024; prefill 4,096) on tiles (mxfp4_layout.py), kernels (err column) ~160 s
 #   b1        issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 with its kernel table, 20,000-token pool (fits an H100) ~150 s
-#   tiles     issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 and 64, experts in rows then in tiles (mxfp4_layout.py), kernel tables ~330 s
 #   gputests  issue 12: the GPU tests of the model, the MXFP4 and FP8 kernels, routing, norms and RoPE (test_model_gpu.py, test_ops_{mxfp4,routing,fp8,kv_store}.py) ~150 s
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
@@ -80,18 +79,12 @@ for step in $STEPS; do
                     --kv-tokens 60000 $([ $proj = cublas ] && echo --cublas)
                 mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_${model}_$proj.json"
             done; done ;;
-        tiled) timeout 240 python3 bench/mxfp4_variants.py --tokens 1,4,64,4096 \
-                --only "gemv mma u4 split 1,gemv mma tiled,mma grouped mr2 nt1,mma grouped mr2 nt2,grouped scaled" \
-                --out "$OUT/variants_tiled.json" ;;
+        tiled) timeout 240 python3 bench/mxfp4_variants.py --tokens 1,4,64,256,1024,4096 \
+                --only "gemv mma u4 split 1,mma grouped,grouped scaled" --out "$OUT/variants_tiled.json" ;;
         sort) timeout 120 python3 bench/moe_variants.py --tokens 64,256,512,1024 --only none --budget 0 \
             --out "$OUT/moe_sort.json" ;;
         b1) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1 --prompt 400 --repeats 2 \
             --modes greedy --kv-tokens 20000 --kernels ;;
-        tiles) for layout in rows tiles; do  # two row files, named here
-                timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1,64 --prompt 400 --repeats 2 \
-                    --modes greedy --kv-tokens 20000 --kernels $([ $layout = tiles ] && echo --mxfp4-tiles)
-                mv "$OUT/decode_sweep.json" "$OUT/decode_sweep_120b_$layout.json"
-            done ;;
         gputests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_model_gpu.py tests/test_ops_mxfp4.py tests/test_ops_routing.py \
             tests/test_ops_fp8.py tests/test_ops_kv_store.py \
             -k "gpu or cuda" ;;

@@ -50,7 +50,6 @@ from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, moe_loop
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
-from minakv.ops.mxfp4_layout import tile_rows
 from minakv.ops.mxfp4_mma import moe_mxfp4_mma
 from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 from minakv.ops.mxfp4_moe import moe_mxfp4_fused
@@ -131,7 +130,8 @@ def _stream_kernel(w_ptr, ids_ptr, out_ptr, N, NG, stride_be, stride_bn, BLOCK_N
 
 
 def stream(w: dict, ids: torch.Tensor, block_n: int, groups: int, warps: int) -> None:
-    """The GEMV's weight reads alone (gate/up, then down), for a bytes-only ceiling of its access pattern."""
+    """The GEMV's weight reads alone (gate/up, then down), for a bytes-only ceiling of its access pattern
+    as it was in rows (each row's groups in turn; the kernels now read tiles, mxfp4_layout.py)."""
     out = torch.empty(ids.numel() * 8192, dtype=torch.int32, device=ids.device)
     flat = ids.reshape(-1)
     for key in ("gate_up_blocks", "down_blocks"):
@@ -163,18 +163,6 @@ def graph_ms(fn) -> float:
     return float(triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median"))
 
 
-_TILED: dict[int, dict] = {}
-
-
-def tiled(args: tuple) -> tuple:
-    """args with the layer's weights in tiles (mxfp4_layout.py): a copy, made on the first call (the
-    warm-up before a graph is captured) and kept for the layer."""
-    if id(args[1]) not in _TILED:
-        _TILED.clear()  # (one layer's copy at a time)
-        _TILED[id(args[1])] = tile_rows(args[1])
-    return (args[0], _TILED[id(args[1])], *args[2:])
-
-
 def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, object, bool]]:
     """(name, fn, packed) of every path to run at this T."""
     out = []
@@ -185,25 +173,13 @@ def variants(tokens: int, args: tuple, bf16_args: tuple) -> list[tuple[str, obje
     if tokens <= GEMV_MAX_T:
         out += [(name, lambda kw=kw: moe_mxfp4_gemv(*args, **kw), True) for name, kw in GEMV]
         out += [(name, lambda kw=kw: moe_mxfp4_mma(*args, **kw), True) for name, kw in MMA]
-        out += [
-            (f"gemv mma tiled u{u}", lambda u=u: moe_mxfp4_mma(*tiled(args), unroll=u, tiled=True), True)
-            for u in (4, 8)
-        ]
     if tokens >= 8:
         out += [(name, lambda kw=kw: moe_mxfp4_mma_grouped(*args, **kw), True) for name, kw in MMA_GROUPED]
-        out += [  # the same over tiles (mxfp4_layout.py)
-            (f"{name} tiled", lambda kw=kw: moe_mxfp4_mma_grouped(*tiled(args), **kw, tiled=True), True)
-            for name, kw in MMA_GROUPED
-            if kw["nt"] in (1, 2) and kw["mr"] == 2
-        ]
     if GEMV_MAX_T < tokens <= DECODE_MAX_T:  # beyond, the GEMV's reads alone
         out += [(f"gemv stream-only bn{n} g{g} w{wp}", lambda n=n, g=g, wp=wp: stream(args[1], args[3], n, g, wp),
                  True) for n, g, wp in STREAM]  # fmt: skip
     if tokens >= 256:
         out += [(name, lambda kw=kw: moe_mxfp4_grouped(*args, **kw), True) for name, kw in GROUPED]
-        out.append(
-            ("grouped scaled tiled", lambda: moe_mxfp4_grouped(*tiled(args), mode="scaled", tiled=True), True)
-        )
     out.append(("bf16 grouped", lambda: moe_grouped(*bf16_args), False))
     return out
 

@@ -221,7 +221,7 @@ def _moe_dispatch() -> None:
 
 
 def _mxfp4_layer(tokens: int, experts: int = 32, hidden: int = 256, inter: int = 128):
-    """GPT-OSS's MoE in MXFP4: swiglu_oai with biases, top-4."""
+    """GPT-OSS's MoE in MXFP4: swiglu_oai with biases, top-4 (compiled only: the bytes' layout does not matter)."""
     from minakv.ops.quant import quantize_mxfp4
 
     w = {}
@@ -285,8 +285,6 @@ def _mxfp4_mma() -> None:
     moe_mxfp4_mma(*_mxfp4_layer(1))
     moe_mxfp4_mma(*_mxfp4_layer(1, hidden=96, inter=160), sum_k=False, unroll=8)  # 3 and 5 groups: tails
     moe_mxfp4_mma(*_mxfp4_layer(1), sum_k=False, splits=(2, 3))  # split-K: partials, the pair-order finish
-    for unroll in (4, 8):  # the tiled layout's loop (mxfp4_layout.py)
-        moe_mxfp4_mma(*_mxfp4_layer(1), unroll=unroll, tiled=True)
 
 
 @case("mxfp4_mma_grouped")
@@ -299,23 +297,6 @@ def _mxfp4_mma_grouped() -> None:
     moe_mxfp4_mma_grouped(
         *_mxfp4_layer(16), sum_k=False, mr=2, nt=4, unroll=2, fold=True
     )  # scales in the MMA's A
-    moe_mxfp4_mma_grouped(*_mxfp4_layer(16), sum_k=False, tiled=True)  # tiles, mxfp4_layout.py
-
-
-@case("mxfp4_tiles")
-def _mxfp4_tiles() -> None:
-    """Every MXFP4 kernel on weights in tiles (mxfp4_layout.py, MINAKV_MXFP4_TILES=1): the CUDA-core GEMV,
-    the fused kernels and the grouped GEMM in each tile mode (the tensor-core ones: their own cases)."""
-    from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
-    from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
-    from minakv.ops.mxfp4_moe import moe_mxfp4_fused
-    from minakv.ops.mxfp4_tile import MODES
-
-    moe_mxfp4_gemv(*_mxfp4_layer(1), tiled=True)
-    moe_mxfp4_gemv(*_mxfp4_layer(1), block_n=4, groups=32, x_in_asm=True, tiled=True)
-    for mode in MODES:
-        moe_mxfp4_fused(*_mxfp4_layer(2), mode=mode, tiled=True)
-        moe_mxfp4_grouped(*_mxfp4_layer(160), mode=mode, tiled=True)
 
 
 @case("mxfp4_fused-split_k")

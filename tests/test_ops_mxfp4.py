@@ -16,7 +16,7 @@ from minakv.ops import mxfp4_moe
 from minakv.ops.moe import route_softmax_topk
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
-from minakv.ops.mxfp4_layout import packed_rows, tile, tile_rows
+from minakv.ops.mxfp4_layout import packed_rows, tile, tile_rows, untile_rows
 from minakv.ops.mxfp4_moe import moe_mxfp4, moe_mxfp4_fused, moe_mxfp4_ref
 from minakv.ops.mxfp4_tile import load_mxfp4_halves, load_mxfp4_tile
 from minakv.ops.quant import dequantize_mxfp4
@@ -26,30 +26,29 @@ PATHS = {"fused": moe_mxfp4_fused, "grouped": moe_mxfp4_grouped}
 
 @triton.jit
 def _dequant_kernel(b_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BF16: tl.constexpr, TILED: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
+                    BF16: tl.constexpr, HALVES: tl.constexpr):  # fmt: skip
     """W [N, K] through load_mxfp4_tile, or (HALVES) load_mxfp4_halves' even and odd columns."""
     pid = tl.program_id(0)
     offs_n, n_ok, byte_rows, scale_rows = packed_rows(b_ptr, s_ptr, pid * 0, pid * BLOCK_N, N, 0, K // 2, 0,
-                                                      K // 32, BLOCK_N, TILED)  # fmt: skip
+                                                      K // 32, BLOCK_N)  # fmt: skip
     offs_k = tl.arange(0, BLOCK_K)
     offs_j = tl.arange(0, BLOCK_K // 2)
     for k0 in range(0, K, BLOCK_K):
         if HALVES:
-            even, odd = load_mxfp4_halves(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16, TILED)
+            even, odd = load_mxfp4_halves(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16)
             mask = n_ok[:, None] & (k0 // 2 + offs_j < K // 2)[None, :]
             out = out_ptr + offs_n[:, None] * K + k0 + 2 * offs_j[None, :]
             tl.store(out, even.to(tl.float32), mask=mask)
             tl.store(out + 1, odd.to(tl.float32), mask=mask)
         else:
-            tile = load_mxfp4_tile(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16, TILED)
+            tile = load_mxfp4_tile(byte_rows, scale_rows, n_ok, k0, K, BLOCK_K, BF16)
             mask = n_ok[:, None] & (k0 + offs_k < K)[None, :]
             tl.store(out_ptr + offs_n[:, None] * K + k0 + offs_k[None, :], tile.to(tl.float32), mask=mask)
 
 
-def check_dequant_exact(device: str, bf16: bool, tiled: bool = False, halves: bool = False) -> None:
+def check_dequant_exact(device: str, bf16: bool, halves: bool = False) -> None:
     """Every byte value under every scale, through the in-register path (halves: the select-free decode of
-    the split modes): equal to dequantize_mxfp4 (of the same bytes in rows when they are given in tiles,
-    mxfp4_layout.py)."""
+    the split modes) from tiles (mxfp4_layout.py): equal to dequantize_mxfp4 of the same bytes in rows."""
     rows, groups = 256, 5  # 160 inputs: a tail with BLOCK_K 64
     blocks = torch.arange(256, dtype=torch.uint8)[:, None, None].expand(rows, groups, 16).contiguous()
     blocks = blocks.roll(1, dims=1)  # a row's groups differ
@@ -58,18 +57,17 @@ def check_dequant_exact(device: str, bf16: bool, tiled: bool = False, halves: bo
     lo, hi = (10, 240) if bf16 else (0, 240 if halves else 252)
     scales = (torch.arange(rows * groups).reshape(rows, groups) % 256).clamp(lo, hi).to(torch.uint8)
     ref = dequantize_mxfp4(blocks, scales)
-    blocks, scales = tile(blocks, scales) if tiled else (blocks, scales)
+    blocks, scales = tile(blocks, scales)
     blocks, scales = blocks.to(device), scales.to(device)
     out = torch.empty(rows, groups * 32, device=device)
     _dequant_kernel[(triton.cdiv(rows, 32),)](blocks, scales, out, rows, groups * 32, 32, 64, BF16=bf16,
-                                              TILED=tiled, HALVES=halves)  # fmt: skip
+                                              HALVES=halves)  # fmt: skip
     assert torch.equal(out.cpu(), ref)
 
 
 @interpreted
-@pytest.mark.parametrize("tiled", [False, True])
-def test_dequant_tile_is_exact(tiled: bool) -> None:
-    check_dequant_exact("cpu", bf16=False, tiled=tiled)
+def test_dequant_tile_is_exact() -> None:
+    check_dequant_exact("cpu", bf16=False)
 
 
 @interpreted
@@ -131,8 +129,9 @@ def test_scaled_mode_matches_reference(path: str, t: int) -> None:
     mask gives errors of order 1). Masked edges as in test_variants_match_reference."""
     args, ref = case("swiglu_oai", t, e=3, h=96, i=160, seed=t)
     args[0] = args[0].bfloat16()
-    gate_up = dequantize_mxfp4(args[1]["gate_up_blocks"], args[1]["gate_up_scales"])
-    down = dequantize_mxfp4(args[1]["down_blocks"], args[1]["down_scales"])
+    rows = untile_rows(args[1])
+    gate_up = dequantize_mxfp4(rows["gate_up_blocks"], rows["gate_up_scales"])
+    down = dequantize_mxfp4(rows["down_blocks"], rows["down_scales"])
     ref = moe_reference(args[0].float(), gate_up, down, *args[2:6], "swiglu_oai", LIMIT, ALPHA)
     knobs = {"block_m": 16} if path == "grouped" else {"splits": 2}
     out = PATHS[path](*args, block_n=32, block_k=64, mode="scaled", **knobs)
@@ -188,11 +187,10 @@ def test_grouped_bf16_mode() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("tiled", [False, True])
-def test_dequant_halves_are_exact(tiled: bool) -> None:
+def test_dequant_halves_are_exact() -> None:
     """The select-free decode of the split modes: every byte under every scale, even / odd halves (fp32:
     the interpreter garbles bitcasts to bf16; the GPU test checks both)."""
-    check_dequant_exact("cpu", bf16=False, tiled=tiled, halves=True)
+    check_dequant_exact("cpu", bf16=False, halves=True)
 
 
 @interpreted
@@ -235,10 +233,9 @@ def test_shapes_are_checked() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("tiled", [False, True])
-def test_dequant_tile_is_exact_gpu(bf16: bool, tiled: bool) -> None:
-    check_dequant_exact("cuda", bf16, tiled)
-    check_dequant_exact("cuda", bf16, tiled, halves=True)
+def test_dequant_tile_is_exact_gpu(bf16: bool) -> None:
+    check_dequant_exact("cuda", bf16)
+    check_dequant_exact("cuda", bf16, halves=True)
 
 
 @interpreted
@@ -261,8 +258,6 @@ def test_tile_rows_layout() -> None:
     """tile_rows against its stated layout, byte by byte: row r, group j of expert e at
     e R G 16 + (r // 16) G 256 + j 256 + (r % 16) 16 (blocks), e R G + (r // 16) G 16 + j 16 + r % 16
     (scales), so a program's first row sits where the checkpoint's layout has it."""
-    from minakv.ops.mxfp4_layout import tile_rows
-
     e, i, h = 2, 48, 96
     gen = torch.Generator().manual_seed(0)
     w = {
@@ -303,7 +298,6 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
     for these inputs' range, so within fp32 summation error of the reference): 3 and 5 groups (tails of the
     unrolled step and of the warps' shares; H = 96 and I = 160 rows end inside a warp's rows, which then
     moves back), gpt-oss's 90 groups; 48 and 160 pairs over 3 and 4 experts (full and partial pair tiles)."""
-    from minakv.ops.mxfp4_layout import tile_rows
     from minakv.ops.mxfp4_mma import moe_mxfp4_mma
     from minakv.ops.mxfp4_mma_grouped import fold_fits, moe_mxfp4_mma_grouped
 
@@ -315,29 +309,22 @@ def test_mma_gemv_gpu(t: int, e: int, h: int, i: int) -> None:
         for a in args
     ]
     tol = {"rtol": 2e-3, "atol": 2e-3 * float(ref.abs().max())}
-    tiled = [args[0], tile_rows(args[1]), *args[2:]]  # the same weights in the tiled layout
-    # split-K 4 over 5 groups: one split empty
-    cases = ((4, (1, 1), False), (8, (2, 3), False), (4, (3, 4), False), (4, (1, 1), True), (8, (2, 3), True),
-             (4, (3, 4), True))  # fmt: skip
-    for unroll, splits, in_tiles in cases:
-        parts = moe_mxfp4_mma(
-            *(tiled if in_tiles else args), sum_k=False, unroll=unroll, splits=splits, tiled=in_tiles
-        )
+    for unroll, splits in ((4, (1, 1)), (8, (2, 3)), (4, (3, 4))):  # split-K 4 over 5 groups: one split empty
+        parts = moe_mxfp4_mma(*args, sum_k=False, unroll=unroll, splits=splits)
         assert parts.shape == (t, 2 * splits[1], h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
     assert fold_fits(args[1])  # the folded scales' range: quantize_mxfp4 of unit-scale weights is inside
-    for mr, nt, unroll, fold, in_tiles in (
-        (4, 4, 2, False, False), (2, 1, 4, False, False), (2, 2, 1, False, False), (4, 8, 1, False, False),
-        (2, 4, 2, True, False), (2, 1, 4, True, False), (4, 4, 2, False, True), (2, 1, 4, True, True),
+    for mr, nt, unroll, fold in (
+        (4, 4, 2, False), (2, 1, 4, False), (2, 2, 1, False), (4, 8, 1, False), (2, 4, 2, True), (2, 1, 4, True),
     ):  # fmt: skip
-        parts = moe_mxfp4_mma_grouped(*(tiled if in_tiles else args), sum_k=False, mr=mr, nt=nt, unroll=unroll,
-                                      fold=fold, tiled=in_tiles)  # fmt: skip
+        parts = moe_mxfp4_mma_grouped(*args, sum_k=False, mr=mr, nt=nt, unroll=unroll, fold=fold)
         assert parts.shape == (t, 2, h) and parts.dtype == torch.float32
         torch.testing.assert_close(parts.sum(1).cpu().double(), ref, **tol)
 
 
 def real_shape(tokens: int, e: int = 32, h: int = 2880, i: int = 2880, k: int = 4, seed: int = 0):
-    """gpt-oss-20b's experts at `tokens`, random packed bytes with scales near 2^-7 (weights ~0.02)."""
+    """gpt-oss-20b's experts at `tokens`, random packed bytes (in tiles, as their bytes are random) with
+    scales near 2^-7 (weights ~0.02)."""
     gen = torch.Generator("cuda").manual_seed(seed)
 
     def rand_packed(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,8 +354,9 @@ def test_real_shape_gpu(tokens: int) -> None:
     from minakv.ops.moe import moe_grouped, moe_loop
 
     x, w, weights, ids, gub, db = real_shape(tokens)
-    gate_up = dequantize_mxfp4(w["gate_up_blocks"], w["gate_up_scales"], torch.float32)
-    down = dequantize_mxfp4(w["down_blocks"], w["down_scales"], torch.float32)
+    rows = untile_rows(w)
+    gate_up = dequantize_mxfp4(rows["gate_up_blocks"], rows["gate_up_scales"], torch.float32)
+    down = dequantize_mxfp4(rows["down_blocks"], rows["down_scales"], torch.float32)
     act = ("swiglu_oai", 7.0, 1.702)
     ref = moe_loop(x.float(), gate_up, down, weights, ids, gub.float(), db.float(), *act).double()
 
@@ -397,19 +385,6 @@ def test_real_shape_gpu(tokens: int) -> None:
         errs["mxfp4 gemv mma"] = err(moe_mxfp4_gemv(x, w, weights, ids, gub, db, *act, mma=True))
         errs["mxfp4 gemv split-K fp32"] = err(
             moe_mxfp4_gemv(x.float(), w, weights, ids, gub.float(), db.float(), *act, splits=3)
-        )
-    tw = tile_rows(w)  # the same weights in tiles (mxfp4_layout.py), through every path that reads them
-    errs["mxfp4 tiles"] = err(moe_mxfp4(x, tw, weights, ids, gub, db, *act, tiled=True))
-    errs["mxfp4 grouped tiles"] = err(moe_mxfp4_grouped(x, tw, weights, ids, gub, db, *act, tiled=True))
-    if tokens * 4 <= 1024:
-        errs["mxfp4 fused tiles"] = err(moe_mxfp4_fused(x, tw, weights, ids, gub, db, *act, tiled=True))
-    if 32 < tokens * 4 <= 4096:
-        errs["mxfp4 mma grouped fold tiles"] = err(
-            moe_mxfp4_mma_grouped(x, tw, weights, ids, gub, db, *act, fold=True, tiled=True)
-        )
-    if tokens * 4 <= 32:
-        errs["mxfp4 gemv x in asm tiles"] = err(
-            moe_mxfp4_gemv(x, tw, weights, ids, gub, db, *act, x_in_asm=True, tiled=True)
         )
     gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
     errs["bf16 grouped"] = err(moe_grouped(x, gate_up, down, weights, ids, gub, db, *act))

@@ -18,6 +18,7 @@ from minakv.model.config import ModelConfig
 from minakv.model.gpt_oss import GptOssModel
 from minakv.model.layers import CausalLM, RMSNorm
 from minakv.model.minimax_m2 import MiniMaxM2Model
+from minakv.ops.mxfp4_layout import tile_blocks
 from minakv.parallel.group import SINGLE, Parallel
 from minakv.parallel.shard import shard
 
@@ -101,7 +102,9 @@ def build_model(
     for name, b in full.named_buffers():
         if b.dtype == torch.uint8 and name.endswith("_blocks"):  # MXFP4 codes: any byte is two valid codes
             drawn = torch.randint(0, 256, b.shape, generator=gen, device=gen.device, dtype=torch.uint8)
-            ours[name].copy_(shard(name, drawn, parallel))
+            ours[name].copy_(
+                tile_blocks(shard(name, drawn, parallel))
+            )  # as the loader: tiles of the rank's rows
         elif b.dtype == torch.uint8 and name.endswith("_scales"):  # 2^-7: values of std ~0.02, like the rest
             ours[name].fill_(120)
         elif b.dtype == torch.float8_e4m3fn:  # FP8 codes of std 1, with scales of 0.02 below

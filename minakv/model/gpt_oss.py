@@ -19,11 +19,10 @@ from torch import nn
 from minakv.model.config import ModelConfig
 from minakv.model.layers import CausalLM
 from minakv.ops.moe import moe, route_softmax_topk
-from minakv.ops.mxfp4_layout import tile, tiles_wanted
 from minakv.ops.mxfp4_mma_grouped import fold_fits
 from minakv.ops.mxfp4_moe import moe_mxfp4, takes_pair_order
 from minakv.ops.routing import FUSED_MAX_TOKENS, block_counters, route_softmax_topk_fused
-from minakv.ops.triton_util import use_triton
+from minakv.ops.triton_util import check, use_triton
 from minakv.parallel.experts import run_experts
 from minakv.parallel.group import SINGLE, Parallel
 from minakv.parallel.shard import local_config
@@ -32,14 +31,16 @@ from minakv.parallel.shard import local_config
 class GptOssExperts(nn.Module):
     """The experts' weights, as bf16/fp32 parameters, or (`packed`, an MXFP4 checkpoint or dummy weights in
     its format) as the checkpoint's own MXFP4 bytes, which stay resident: 4.25 bits per weight instead of 16,
-    so gpt-oss-120b's experts take 61 GB instead of 234. Packed weights are dequantised in registers by the
-    Triton kernels (minakv/ops/mxfp4_moe.py), or, on the CPU, by a dequantising reference."""
+    so gpt-oss-120b's experts take 61 GB instead of 234; the loader lays them in 16-row tiles
+    (minakv/ops/mxfp4_layout.py), the layout the kernels read fastest. Packed weights are dequantised in
+    registers by the Triton kernels (minakv/ops/mxfp4_moe.py), or, on the CPU, by a dequantising reference."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
         self.packed = (config.quantization or {}).get("quant_method") == "mxfp4"
-        if self.packed:  # blocks u8 [E, out, in/32, 16], scales u8 [E, out, in/32] (minakv/ops/quant.py)
+        if self.packed:  # blocks u8 [E, out, in/32, 16], scales u8 [E, out, in/32], in tiles of 16 rows
+            check(i % 16 == 0, f"MXFP4 experts need an intermediate size in whole 16-row tiles, not {i}")
             for name, rows, cols in (("gate_up", 2 * i, h), ("down", h, i)):
                 self.register_buffer(
                     f"{name}_blocks", torch.empty(e, rows, cols // 32, 16, dtype=torch.uint8)
@@ -53,7 +54,6 @@ class GptOssExperts(nn.Module):
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         self.sum_k = True  # False: the decode kernels may return k parts for the next norm (GptOssMoE)
         self.fold = False  # the scales fold into the weights in the grouped GEMM: `fuse`
-        self.tiled = False  # the packed bytes re-laid in 16-row tiles (minakv/ops/mxfp4_layout.py): `fuse`
 
     @property
     def mxfp4(self) -> dict[str, torch.Tensor] | None:
@@ -66,17 +66,8 @@ class GptOssExperts(nn.Module):
 
     def fuse(self) -> None:
         """Decide once, with the weights in place, whether the grouped tensor-core GEMM may fold each scale
-        into its weights (every scale byte in its exact range; a host sync, so before any CUDA graph), and
-        with MINAKV_MXFP4_TILES=1 re-lay the packed bytes in tiles (mxfp4_layout.py)."""
+        into its weights (every scale byte in its exact range; a host sync, so before any CUDA graph)."""
         self.fold = self.packed and fold_fits(self.mxfp4)
-        if self.packed and tiles_wanted() and not self.tiled:
-            for name in ("gate_up", "down"):  # an expert at a time: the copy stays small
-                blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
-                for e in range(blocks.shape[0]):
-                    tiled_blocks, tiled_scales = tile(blocks[e], scales[e])
-                    blocks[e].copy_(tiled_blocks)
-                    scales[e].copy_(tiled_scales)
-            self.tiled = True
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x16: torch.Tensor | None = None
@@ -84,7 +75,7 @@ class GptOssExperts(nn.Module):
         """x16: x in pair order for the packed GEMV, if the router wrote it (GptOssMoE)."""
         args = {"activation": "swiglu_oai", "limit": self.limit, "alpha": self.alpha, "sum_k": self.sum_k}
         if self.packed:
-            packed = {"fold": self.fold, "x16": x16, "tiled": self.tiled}
+            packed = {"fold": self.fold, "x16": x16}
             return moe_mxfp4(x, self.mxfp4, weights, ids, self.gate_up_bias, self.down_bias, **packed, **args)
         return moe(x, self.gate_up, self.down, weights, ids, self.gate_up_bias, self.down_bias, **args)
 

@@ -7,7 +7,7 @@ by name. Our parameter names are the checkpoint names without `model.` (MiniMax-
            or MXFP4 `*_blocks` / `*_scales` ([E, out, in] orientation); gate/up rows interleaved -> halves.
   MiniMax-M2: one `w1` (gate) / `w3` (up) / `w2` (down) per expert, possibly FP8 with `weight_scale_inv`.
 Quantised weights stay in their format (minakv.ops.quant): GPT-OSS's MXFP4 experts packed
-(`GptOssExperts.packed`), MiniMax-M2's FP8 attention projections and experts with their block scales
+(`GptOssExperts.packed`, in 16-row tiles: minakv/ops/mxfp4_layout.py), MiniMax-M2's FP8 attention projections and experts with their block scales
 (`Fp8Linear`, `MiniMaxM2Experts.fp8`), for the kernels that dequantise in registers. Every tensor must be used once and every parameter found: a
 missing, unexpected or mis-shaped tensor is an error that names it.
 
@@ -31,6 +31,7 @@ from minakv.model.config import ModelConfig
 from minakv.model.gpt_oss import GptOssExperts
 from minakv.model.layers import CausalLM, Fp8Linear, fp8_resident
 from minakv.model.minimax_m2 import MiniMaxM2Experts
+from minakv.ops.mxfp4_layout import tile
 from minakv.ops.quant import dequantize_fp8_block
 from minakv.parallel.group import SINGLE, Parallel
 from minakv.parallel.shard import shard, shard_experts
@@ -150,7 +151,20 @@ def load_gpt_oss_experts(
     def put(ours: str, tensor: torch.Tensor) -> None:  # this rank's experts, on the host -> its slice
         getattr(experts, ours).data.copy_(shard_experts(f"{name}.{ours}", tensor, par).to(device))
 
-    if mxfp4:  # the bytes stay packed (GptOssExperts); only the gate/up rows are reordered into halves
+    def put_packed(
+        ours: str, blocks: torch.Tensor, scales: torch.Tensor
+    ) -> None:  # this rank's rows, in tiles
+        blocks = shard_experts(f"{name}.{ours}_blocks", blocks, par).to(device)
+        scales = shard_experts(f"{name}.{ours}_scales", scales, par).to(device)
+        blocks, scales = tile(
+            blocks, scales, parts=2 if ours == "gate_up" else 1
+        )  # minakv/ops/mxfp4_layout.py
+        getattr(experts, f"{ours}_blocks").copy_(blocks)
+        getattr(experts, f"{ours}_scales").copy_(scales)
+
+    if (
+        mxfp4
+    ):  # the bytes stay packed (GptOssExperts), in 16-row tiles; the gate/up rows reordered into halves
         for ours, theirs, out, cols in (("gate_up", "gate_up_proj", 2 * i, h), ("down", "down_proj", h, i)):
             if cols % 32:
                 raise CheckpointError(f"MXFP4 {prefix}.{theirs}: input dim {cols} is not a multiple of 32")
@@ -158,8 +172,7 @@ def load_gpt_oss_experts(
             scales = ckpt.get(f"{prefix}.{theirs}_scales", (e, out, cols // 32), rows).to(stage)
             if ours == "gate_up":
                 blocks, scales = deinterleave(blocks), deinterleave(scales)
-            put(f"{ours}_blocks", blocks)
-            put(f"{ours}_scales", scales)
+            put_packed(ours, blocks, scales)
     else:
         gate_up = ckpt.get(prefix + ".gate_up_proj", (e, h, 2 * i), rows).to(stage)
         put("gate_up", deinterleave(gate_up.transpose(1, 2), 1))

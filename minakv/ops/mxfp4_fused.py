@@ -36,8 +36,7 @@ from minakv.ops.triton_util import check
 def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                     limit=7.0, alpha=1.702, *, sum_k: bool = True, block_m: int | None = None,
                     block_n: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    mode: str = "auto", slots: str = "auto", splits: int = 1,
-                    tiled: bool = False) -> torch.Tensor:  # fmt: skip
+                    mode: str = "auto", slots: str = "auto", splits: int = 1) -> torch.Tensor:  # fmt: skip
     """The decode path: two kernels, each chosen expert's packed weights read once. The keyword-only knobs
     are for benchmarks and tests (block_k: a multiple of 32). mode: how a tile is consumed (mxfp4_tile.MODES),
     or "auto" (the default): "split" with 32 output columns per program while the pairs are fewer than the
@@ -52,7 +51,7 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
     fp32 partial sums: gate/up's are summed by mxfp4_gemv.finish_gate_up (bias, activation), down's are
     returned as extra parts (sum_k=False: [T, k * splits, H]) or summed here. On the H200 at one token split
     4 took "scaled" from 0.104 to 0.092 ms and did nothing for "split" (RESULTS.md "GEMVs for few pairs").
-    tiled: the weights in tiles (mxfp4_layout.py)."""
+    The weights in tiles (mxfp4_layout.py)."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
@@ -85,7 +84,6 @@ def moe_mxfp4_fused(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=N
         "BF16": bf16,
         "F32_DOT": f32_dot,
         "SPLITS": splits,
-        "TILED": tiled,
         "num_warps": num_warps,
         "num_stages": num_stages,
     }
@@ -136,7 +134,7 @@ def _gate_up_kernel(
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_PAIR: tl.constexpr,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BF16: tl.constexpr, F32_DOT: tl.constexpr, SPLITS: tl.constexpr, TILED: tl.constexpr,
+    BF16: tl.constexpr, F32_DOT: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     expert = _my_expert(ids_ptr, num_pairs, BY_PAIR, PAIRS_PAD)
     mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
@@ -144,7 +142,7 @@ def _gate_up_kernel(
         return
     offs_n, n_ok, gate_b, gate_s = packed_rows(
         wb_ptr, ws_ptr, expert, tl.program_id(1) * BLOCK_N, I, stride_be, stride_bn, stride_se, stride_sn,
-        BLOCK_N, TILED,
+        BLOCK_N,
     )  # fmt: skip
     up_b, up_s = gate_b + I * stride_bn, gate_s + I * stride_sn  # up rows I + n: the same columns of h
     if HAS_BIAS:
@@ -160,10 +158,8 @@ def _gate_up_kernel(
         k_lo = tl.program_id(2) * K_SPLIT
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, H), BLOCK_K):
             a0, a1 = load_act(x_rows, m_ok, k0, H, BLOCK_K, MODE, False)
-            acc_gate = mxfp4_acc(
-                a0, a1, gate_b, gate_s, n_ok, k0, H, acc_gate, BLOCK_K, BF16, F32_DOT, MODE, TILED
-            )
-            acc_up = mxfp4_acc(a0, a1, up_b, up_s, n_ok, k0, H, acc_up, BLOCK_K, BF16, F32_DOT, MODE, TILED)
+            acc_gate = mxfp4_acc(a0, a1, gate_b, gate_s, n_ok, k0, H, acc_gate, BLOCK_K, BF16, F32_DOT, MODE)
+            acc_up = mxfp4_acc(a0, a1, up_b, up_s, n_ok, k0, H, acc_up, BLOCK_K, BF16, F32_DOT, MODE)
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLITS > 1:  # fp32 partials [split, pair, gate | up] (h_ptr): gate_up_finish does the rest
             rows = h_ptr + (tl.program_id(2) * num_pairs + pair).to(tl.int64)[:, None] * stride_h
@@ -184,7 +180,7 @@ def _down_kernel(
     num_pairs, I, H, K_SPLIT, stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, PAIRS_PAD: tl.constexpr, BY_PAIR: tl.constexpr, MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
-    F32_DOT: tl.constexpr, SPLITS: tl.constexpr, TILED: tl.constexpr,
+    F32_DOT: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     expert = _my_expert(ids_ptr, num_pairs, BY_PAIR, PAIRS_PAD)
     mine, number, count = _my_pairs(ids_ptr, num_pairs, expert, PAIRS_PAD)
@@ -192,7 +188,7 @@ def _down_kernel(
         return
     offs_n, n_ok, w_b, w_s = packed_rows(
         wb_ptr, ws_ptr, expert, tl.program_id(1) * BLOCK_N, H, stride_be, stride_bn, stride_se, stride_sn,
-        BLOCK_N, TILED,
+        BLOCK_N,
     )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -204,7 +200,7 @@ def _down_kernel(
         k_lo = tl.program_id(2) * K_SPLIT
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, I), BLOCK_K):
             a0, a1 = load_act(h_rows, m_ok, k0, I, BLOCK_K, MODE, True)
-            acc = mxfp4_acc(a0, a1, w_b, w_s, n_ok, k0, I, acc, BLOCK_K, BF16, F32_DOT, MODE, TILED)
+            acc = mxfp4_acc(a0, a1, w_b, w_s, n_ok, k0, I, acc, BLOCK_K, BF16, F32_DOT, MODE)
         if HAS_BIAS:  # once per pair, whatever the splits: by split 0
             acc += tl.where(tl.program_id(2) == 0, bias, 0.0)[None, :]
         acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]

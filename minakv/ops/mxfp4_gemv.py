@@ -44,7 +44,7 @@ from minakv.ops.triton_util import interpreting, ptx_loads_ok
 def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                    limit=7.0, alpha=1.702, *, sum_k: bool = True, block_n: int = 16, groups: int = 8,
                    num_warps: int = 4, splits: int = 1, x_in_asm: bool = False, mma: bool = False,
-                   x16: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:  # fmt: skip
+                   x16: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype (sum_k=False: the k
     parts [T, k, H] in fp32), the experts packed (moe_mxfp4's arguments). block_n rows and `groups` groups
     of 32 inputs per program and step are for benchmarks and tests (powers of two). splits: programs along
@@ -54,11 +54,11 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     token's pairs with 4 x 32 strips, no gain elsewhere (mxfp4_moe.gemv_config). Rows in expert order (so
     that an expert's repeat reads hit L2) were tried and lost at 1, 8 and 64 tokens (bench/RESULTS.md).
     mma: the tensor-core GEMV of mxfp4_mma.py instead (compiled runs only; mxfp4_moe.gemv_config), which
-    reads x16 if given (x in pair order, mxfp4_order.py). tiled: the weights in tiles (mxfp4_layout.py)."""
+    reads x16 if given (x in pair order, mxfp4_order.py). The weights in tiles (mxfp4_layout.py)."""
     _, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     if mma and not interpreting():
         return moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha,
-                             sum_k=sum_k, x16=x16, tiled=tiled)  # fmt: skip
+                             sum_k=sum_k, x16=x16)  # fmt: skip
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     x = x.contiguous()
@@ -68,7 +68,7 @@ def moe_mxfp4_gemv(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=No
     gub, db = gub.view(torch.int32), db.view(torch.int32)  # a group's 16 bytes as 4 words [E, out, in/32, 4]
     asm = not interpreting()
     meta = {"BLOCK_N": block_n, "GROUPS": groups, "ASM": asm, "SPLITS": splits, "num_warps": num_warps,
-            "X_IN_ASM": ptx_loads_ok(x_in_asm, x), "TILED": tiled}  # fmt: skip
+            "X_IN_ASM": ptx_loads_ok(x_in_asm, x)}  # fmt: skip
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     # with split-K gate/up write fp32 partials [splits, pairs, gate I | up I] instead of h
     partial = (
@@ -114,29 +114,24 @@ def k_per_split(size: int, block_k: int, splits: int) -> int:
 
 
 @triton.jit
-def _rows(blocks_ptr, scales_ptr, expert, N, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N: tl.constexpr,
-          TILED: tl.constexpr):  # fmt: skip
+def _rows(blocks_ptr, scales_ptr, expert, N, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N: tl.constexpr):  # fmt: skip
     """This program's output rows of the expert's weight: (offsets, which are < N, [BN, 1] row pointers to
     the words and to the scales)."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     words, scales = row_starts(blocks_ptr, scales_ptr, expert, offs_n, stride_be, stride_bn, stride_se,
-                               stride_sn, 4, TILED)  # fmt: skip
+                               stride_sn, 4)  # fmt: skip
     return offs_n, offs_n < N, words[:, None], scales[:, None]
 
 
 @triton.jit
-def _load(word_rows, scale_rows, n_ok, g0, num_groups, GROUPS: tl.constexpr, TILED: tl.constexpr):
+def _load(word_rows, scale_rows, n_ok, g0, num_groups, GROUPS: tl.constexpr):
     """The rows' packed words [BN, G, 4] (a group's 16 bytes: one vector load) and group scales [BN, G]
     (fp32 2^(s - 127) * 2^14) for inputs [g0 * 32, (g0 + G) * 32); 0 past the end."""
     offs_g = g0 + tl.arange(0, GROUPS)
     ok = n_ok[:, None] & (offs_g < num_groups)[None, :]
-    ptrs = (
-        word_rows[:, :, None]
-        + group_offsets(offs_g, 4, TILED)[None, :, None]
-        + tl.arange(0, 4)[None, None, :]
-    )
+    ptrs = word_rows[:, :, None] + group_offsets(offs_g, 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
     words = tl.load(ptrs, mask=ok[:, :, None], other=0)
-    s = tl.load(scale_rows + scale_offsets(offs_g, TILED)[None, :], mask=ok, other=0).to(tl.uint32) + 14
+    s = tl.load(scale_rows + scale_offsets(offs_g)[None, :], mask=ok, other=0).to(tl.uint32) + 14
     return words, (s << 23).to(tl.float32, bitcast=True)
 
 
@@ -185,12 +180,12 @@ def _gate_up_gemv(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
-    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr, TILED: tl.constexpr,
+    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
     offs_n, n_ok, gate_b, gate_s = _rows(wb_ptr, ws_ptr, expert, I, stride_be, stride_bn, stride_se, stride_sn,
-                                         BLOCK_N, TILED)  # fmt: skip
+                                         BLOCK_N)  # fmt: skip
     up_b, up_s = gate_b + I * stride_bn, gate_s + I * stride_sn  # up rows I + n: the same columns of h
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     acc_gate = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
@@ -198,13 +193,13 @@ def _gate_up_gemv(
     g_lo = tl.program_id(2) * G_SPLIT
     g_hi = tl.minimum(g_lo + G_SPLIT, H // 32)
     # the next step's weights and inputs are loaded before this step's are used: two steps in flight
-    gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g_lo, g_hi, GROUPS, TILED)
-    up_next, up_sc_next = _load(up_b, up_s, n_ok, g_lo, g_hi, GROUPS, TILED)
+    gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g_lo, g_hi, GROUPS)
+    up_next, up_sc_next = _load(up_b, up_s, n_ok, g_lo, g_hi, GROUPS)
     x_next = _load_act(x_row, g_lo, g_hi, GROUPS, X_IN_ASM)
     for g0 in range(g_lo, g_hi, GROUPS):
         gate, gate_sc, up, up_sc, x = gate_next, gate_sc_next, up_next, up_sc_next, x_next
-        gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g0 + GROUPS, g_hi, GROUPS, TILED)
-        up_next, up_sc_next = _load(up_b, up_s, n_ok, g0 + GROUPS, g_hi, GROUPS, TILED)
+        gate_next, gate_sc_next = _load(gate_b, gate_s, n_ok, g0 + GROUPS, g_hi, GROUPS)
+        up_next, up_sc_next = _load(up_b, up_s, n_ok, g0 + GROUPS, g_hi, GROUPS)
         x_next = _load_act(x_row, g0 + GROUPS, g_hi, GROUPS, X_IN_ASM)
         acc_gate = _acc(x_row, x, g0, g_hi, gate, gate_sc, acc_gate, GROUPS, ASM, X_IN_ASM)
         acc_up = _acc(x_row, x, g0, g_hi, up, up_sc, acc_up, GROUPS, ASM, X_IN_ASM)
@@ -229,22 +224,22 @@ def _down_gemv(
     h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
-    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr, TILED: tl.constexpr,
+    SPLITS: tl.constexpr, X_IN_ASM: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair)
     offs_n, n_ok, w_b, w_s = _rows(
-        wb_ptr, ws_ptr, expert, H, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N, TILED
+        wb_ptr, ws_ptr, expert, H, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N
     )
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     g_lo = tl.program_id(2) * G_SPLIT
     g_hi = tl.minimum(g_lo + G_SPLIT, I // 32)
-    tile_next, scale_next = _load(w_b, w_s, n_ok, g_lo, g_hi, GROUPS, TILED)
+    tile_next, scale_next = _load(w_b, w_s, n_ok, g_lo, g_hi, GROUPS)
     h_next = _load_act(h_row, g_lo, g_hi, GROUPS, X_IN_ASM)
     for g0 in range(g_lo, g_hi, GROUPS):
         tile, scale, h = tile_next, scale_next, h_next
-        tile_next, scale_next = _load(w_b, w_s, n_ok, g0 + GROUPS, g_hi, GROUPS, TILED)
+        tile_next, scale_next = _load(w_b, w_s, n_ok, g0 + GROUPS, g_hi, GROUPS)
         h_next = _load_act(h_row, g0 + GROUPS, g_hi, GROUPS, X_IN_ASM)
         acc = _acc(h_row, h, g0, g_hi, tile, scale, acc, GROUPS, ASM, X_IN_ASM)
     out = tl.sum(acc, 1)

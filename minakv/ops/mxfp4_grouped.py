@@ -54,20 +54,22 @@ from minakv.ops.triton_util import check
 def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                       limit=7.0, alpha=1.702, *, block_m: int = 128, block_n: int | None = None,
                       block_k: int | None = None, num_warps: int = 8, num_stages: int = 3,
-                      mode: str = "scaled", tiled: bool = False) -> torch.Tensor:  # fmt: skip
+                      mode: str = "scaled") -> torch.Tensor:  # fmt: skip
     """The prefill path: tiles of block_m rows of one expert. The keyword-only knobs are for benchmarks and
     tests (block_k: a multiple of 32). mode: a tile mode of mxfp4_tile.MODES, or "bf16" (module docstring;
     the block knobs are then unused). "scaled" (tl.dot_scaled; "split" for activations other than bf16) is
     the default, with 128 x 128 x 128 blocks (64 x 64 for the other modes): on the H200 (bench/
     mxfp4_variants.py, RESULTS.md "MXFP4 MoE kernels") it beat "bf16" at 256 and 1,024 tokens (20b: 0.94 ms
     against 1.24, 1.37 against 1.70; 120b at 4,096: 4.85 against 6.40) and came close at 20b, 4,096 tokens
-    (3.63 against 3.44). tiled: the weights in tiles (mxfp4_layout.py)."""
+    (3.63 against 3.44). The weights in tiles (mxfp4_layout.py)."""
     num_experts, hidden, inter = packed_shapes(x, w, topk_ids, activation)
     check(mode in MODES or mode == "bf16", f"unknown mode {mode!r}")
     if mode == "bf16":
         from minakv.ops.moe import moe_grouped  # here: moe.py may dispatch to this module
 
-        rows = untile_rows(w) if tiled else w  # a transient copy of the packed bytes (1/4 of the bf16 one)
+        rows = untile_rows(
+            w
+        )  # dequantize reads rows: a transient copy of the packed bytes (1/4 of the bf16 one)
         gate_up = dequantize_mxfp4_bf16(rows["gate_up_blocks"], rows["gate_up_scales"], x.dtype)
         down = dequantize_mxfp4_bf16(rows["down_blocks"], rows["down_scales"], x.dtype)
         return moe_grouped(x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation,
@@ -90,7 +92,6 @@ def moe_mxfp4_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias
         "BLOCK_K": block_k,
         "BF16": bf16,
         "F32_DOT": f32_dot,
-        "TILED": tiled,
         "num_warps": num_warps,
         "num_stages": num_stages,
     }
@@ -124,7 +125,6 @@ def _gate_up_kernel(
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
-    TILED: tl.constexpr,
 ):  # fmt: skip
     expert, n0, rows, pair, m_ok = my_tile(
         order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, I, E_PAD, BLOCK_M, BLOCK_N
@@ -132,7 +132,7 @@ def _gate_up_kernel(
     if expert >= num_experts:
         return
     offs_n, n_ok, gate_b, gate_s = packed_rows(
-        wb_ptr, ws_ptr, expert, n0, I, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N, TILED
+        wb_ptr, ws_ptr, expert, n0, I, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N
     )
     up_b, up_s = gate_b + I * stride_bn, gate_s + I * stride_sn  # up rows I + n: the same columns of h
     x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x
@@ -140,10 +140,8 @@ def _gate_up_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         a0, a1 = load_act(x_rows, m_ok, k0, H, BLOCK_K, MODE, False)
-        acc_gate = mxfp4_acc(
-            a0, a1, gate_b, gate_s, n_ok, k0, H, acc_gate, BLOCK_K, BF16, F32_DOT, MODE, TILED
-        )
-        acc_up = mxfp4_acc(a0, a1, up_b, up_s, n_ok, k0, H, acc_up, BLOCK_K, BF16, F32_DOT, MODE, TILED)
+        acc_gate = mxfp4_acc(a0, a1, gate_b, gate_s, n_ok, k0, H, acc_gate, BLOCK_K, BF16, F32_DOT, MODE)
+        acc_up = mxfp4_acc(a0, a1, up_b, up_s, n_ok, k0, H, acc_up, BLOCK_K, BF16, F32_DOT, MODE)
     if HAS_BIAS:
         acc_gate += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[
             None, :
@@ -162,7 +160,6 @@ def _down_kernel(
     weights_ptr, y_ptr, I, H, stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y,
     HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, F32_DOT: tl.constexpr,
-    TILED: tl.constexpr,
 ):  # fmt: skip
     expert, n0, rows, pair, m_ok = my_tile(
         order_ptr, counts_ptr, starts_ptr, tile_ends_ptr, num_experts, H, E_PAD, BLOCK_M, BLOCK_N
@@ -170,13 +167,13 @@ def _down_kernel(
     if expert >= num_experts:
         return
     offs_n, n_ok, w_b, w_s = packed_rows(
-        wb_ptr, ws_ptr, expert, n0, H, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N, TILED
+        wb_ptr, ws_ptr, expert, n0, H, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N
     )
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         a0, a1 = load_act(h_rows, m_ok, k0, I, BLOCK_K, MODE, True)
-        acc = mxfp4_acc(a0, a1, w_b, w_s, n_ok, k0, I, acc, BLOCK_K, BF16, F32_DOT, MODE, TILED)
+        acc = mxfp4_acc(a0, a1, w_b, w_s, n_ok, k0, I, acc, BLOCK_K, BF16, F32_DOT, MODE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]

@@ -40,24 +40,22 @@ ROWS = 16  # weight rows per program
 
 MMA_ROWS_U4 = tl.constexpr(mma_rows_ptx(4))
 MMA_ROWS_U8 = tl.constexpr(mma_rows_ptx(8))
-MMA_ROWS_T4 = tl.constexpr(mma_rows_ptx(4, tiled=True))
-MMA_ROWS_T8 = tl.constexpr(mma_rows_ptx(8, tiled=True))
 
 
 @triton.jit
-def mma_rows(w_rows, s_rows, x_rows, stride_bn, stride_sn, g_lo, g_hi, rows_left, SETS: tl.constexpr,
-              UNROLL: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
-    """The work of MMA_ROWS_U4/U8 (T4/T8: tiled) for this program's warps -> (lane [32], [WARPS, 32] partial sums of rows
+def mma_rows(w_rows, s_rows, x_rows, g_lo, g_hi, rows_left, SETS: tl.constexpr,
+              UNROLL: tl.constexpr):  # fmt: skip
+    """The work of MMA_ROWS_U4/U8 for this program's warps -> (lane [32], [WARPS, 32] partial sums of rows
     g and g + 8, `mxfp4_mma_ptx.mma_rows_ptx`). w_rows / s_rows / x_rows: [32 * WARPS] pointers, one per thread (the
     first weight row, its scales, the thread's column's inputs); the warps form SETS row sets (the warps of
     a set split its groups). One element per thread, so lane l of warp w is element 32 w + l."""
     zero = tl.arange(0, 32 * WARPS) * 0
     per_warp = tl.cdiv(g_hi - g_lo, WARPS // SETS)
     lane, s0, s1 = tl.inline_asm_elementwise(
-        (MMA_ROWS_T8 if UNROLL == 8 else MMA_ROWS_T4) if TILED else MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4,
+        MMA_ROWS_U8 if UNROLL == 8 else MMA_ROWS_U4,
         "=r,=r,=r,l,l,l,r,r,r,r,r,r,r",
-        [w_rows.to(tl.int64), s_rows.to(tl.int64), x_rows.to(tl.int64), (zero + (16 if TILED else stride_bn)).to(tl.int32),
-         (zero + (1 if TILED else stride_sn)).to(tl.int32), (zero + g_hi).to(tl.int32), (zero + rows_left).to(tl.int32),
+        [w_rows.to(tl.int64), s_rows.to(tl.int64), x_rows.to(tl.int64), (zero + 16).to(tl.int32),
+         (zero + 1).to(tl.int32), (zero + g_hi).to(tl.int32), (zero + rows_left).to(tl.int32),
          (zero + per_warp).to(tl.int32), (zero + WARPS // SETS).to(tl.int32), (zero + g_lo).to(tl.int32)],
         dtype=(tl.int32, tl.float32, tl.float32), is_pure=True, pack=1,
     )  # fmt: skip
@@ -114,7 +112,7 @@ def activate_store(gate, up, n, ok, b_ptr, expert, stride_bias, I, limit, alpha,
 def _gate_up_mma(
     x_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, h_ptr, H, I, TOPK, limit, alpha, G_SPLIT,
     stride_x, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_h,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr, TILED: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, UNROLL: tl.constexpr, SPLITS: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
@@ -126,8 +124,8 @@ def _gate_up_mma(
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     g_lo, g_hi = _groups(H // 32, G_SPLIT)
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
-    lane, sum_a, sum_b = mma_rows(w_rows, s_rows, x_row + zero, stride_bn, stride_sn, g_lo, g_hi, I - row0,
-                                  SETS=2, UNROLL=UNROLL, TILED=TILED)  # fmt: skip
+    lane, sum_a, sum_b = mma_rows(w_rows, s_rows, x_row + zero, g_lo, g_hi, I - row0,
+                                  SETS=2, UNROLL=UNROLL)  # fmt: skip
     if USE_GDC:  # the weights are read: the next kernel may start (it waits for this one to finish)
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.where(lane % 4 == 0, lane // 4, -1)  # column 0 (the pair) is held by the lanes of t = 0
@@ -151,7 +149,7 @@ def _gate_up_mma(
 def _down_mma(
     h_ptr, wb_ptr, ws_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, I, H, G_SPLIT,
     stride_h, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_y, HAS_BIAS: tl.constexpr,
-    UNROLL: tl.constexpr, TILED: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr,
+    UNROLL: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     if USE_GDC:  # (triton_util.PDL) h is the kernel before's
@@ -162,8 +160,8 @@ def _down_mma(
     zero = tl.arange(0, 32 * WARPS).to(tl.int64) * 0
     h_row = h_ptr + pair.to(tl.int64) * stride_h
     g_lo, g_hi = _groups(I // 32, G_SPLIT)
-    lane, sum_a, sum_b = mma_rows(w_rows, s_rows, h_row + zero, stride_bn, stride_sn, g_lo, g_hi, H - row0,
-                                  SETS=1, UNROLL=UNROLL, TILED=TILED)  # fmt: skip
+    lane, sum_a, sum_b = mma_rows(w_rows, s_rows, h_row + zero, g_lo, g_hi, H - row0,
+                                  SETS=1, UNROLL=UNROLL)  # fmt: skip
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.where(lane % 4 == 0, lane // 4, -1)
@@ -182,14 +180,14 @@ def _down_mma(
 
 
 def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
-                  limit=7.0, alpha=1.702, *, sum_k: bool = True, unroll: int = 4, tiled: bool = False,
+                  limit=7.0, alpha=1.702, *, sum_k: bool = True, unroll: int = 4,
                   splits: tuple[int, int] = (1, 1),
                   x16: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments) from the tensor-core GEMV above (CUDA only).
     unroll: groups a step (4 or 8). splits: programs along the input for gate/up and for down (split-K:
     more, shorter chains of loads); gate/up's partials are summed by mxfp4_gemv.finish_gate_up, down's
-    come back as extra parts (sum_k=False: [T, k * splits, H]) or are summed here. tiled: the weights are
-    in tiles (mxfp4_layout.py). x16: `pair_order(x)` if already made (the router's kernel writes it,
+    come back as extra parts (sum_k=False: [T, k * splits, H]) or are summed here. The weights in tiles
+    (mxfp4_layout.py). x16: `pair_order(x)` if already made (the router's kernel writes it,
     routing.py)."""
     from minakv.ops.mxfp4_gemv import finish_gate_up  # here: mxfp4_gemv imports this module
 
@@ -213,7 +211,7 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         float(limit), float(alpha), triton.cdiv(hidden // 32, gu_splits), x16.stride(0), gub.stride(0),
         gub.stride(1), gus.stride(0), gus.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0,
         partial.stride(-2), HAS_BIAS=gate_up_bias is not None, ACT=ACTIVATIONS[activation],
-        num_warps=WARPS.value, UNROLL=unroll, TILED=tiled, SPLITS=gu_splits, **pdl_options(),
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=gu_splits, **pdl_options(),
     )  # fmt: skip
     if gu_splits > 1:
         finish_gate_up(partial, gate_up_bias, ids, h, activation, limit, alpha, cols=2)
@@ -223,6 +221,6 @@ def moe_mxfp4_mma(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=Non
         h, db, ds, down_bias if down_bias is not None else dummy, ids, weights, y, inter, hidden,
         triton.cdiv(inter // 32, d_splits), h.stride(0), db.stride(0), db.stride(1), ds.stride(0), ds.stride(1),
         down_bias.stride(0) if down_bias is not None else 0, y.stride(0), HAS_BIAS=down_bias is not None,
-        num_warps=WARPS.value, UNROLL=unroll, TILED=tiled, SPLITS=d_splits, **pdl_options(),
+        num_warps=WARPS.value, UNROLL=unroll, SPLITS=d_splits, **pdl_options(),
     )  # fmt: skip
     return k_parts(y, num_tokens, k * d_splits, x.dtype, sum_k)

@@ -44,8 +44,7 @@ def fold_fits(w: dict[str, torch.Tensor]) -> bool:
 
 
 def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], stride_bn: int,
-              stride_sn: int, warp_rows: int, last_row: int, x_row: int, fold: bool = False,
-              tiled: bool = False) -> str:  # fmt: skip
+              stride_sn: int, warp_rows: int, last_row: int, x_row: int, fold: bool = False) -> str:  # fmt: skip
     """One warp's MR x NT tiles over `groups` groups, `unroll` groups a step. Operands: $0 the thread's
     %tid.x, then the 4 * MR * NT sums (tile (i, c)'s C fragment at 1 + 4 (i NT + c): rows g, g + 8 of row
     tile i (g = lane / 4) times columns 2t, 2t + 1 of pair tile c (t = lane % 4)); inputs: the program's
@@ -53,14 +52,12 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
     each row tile's first row from the warp's (rows); warp w starts at min(first + w * warp_rows,
     last_row); x_row: bytes per activation row. fold: scale the decoded fp16 weights by 2^(s - 121) with
     `mul.rn.f16x2` (exact for scale bytes in FOLD_RANGE, `fold_fits`) and accumulate in the MMAs' own C,
-    instead of 4 fp32 FMAs per MMA pair (2 a row tile per pair tile per group). tiled: the weights in
-    tiles (mxfp4_layout.py; rows, warp_rows and row_offs multiples of 16)."""
-    # bytes from a row to the next, from a group to the next: blocks, scales (inside a tile when tiled; the
-    # warp's first row r is then its tile's, and row g of the tile is 16 g bytes on, its scales g)
-    rb, gb, rs, gs = (16, 256, 1, 16) if tiled else (stride_bn, 16, stride_sn, 1)
-    in_tile = (
-        "mul.wide.u32 o, g, 16; add.s64 wp, wp, o; cvt.u64.u32 o, g; add.s64 sp, sp, o;\n" if tiled else ""
-    )
+    instead of 4 fp32 FMAs per MMA pair (2 a row tile per pair tile per group). The weights are in tiles
+    (mxfp4_layout.py), so rows, warp_rows and row_offs are multiples of 16."""
+    # bytes from a row to the next, from a group to the next, inside a tile: blocks, scales (the warp's
+    # first row r is its tile's, and row g of the tile is 16 g bytes on, its scales g)
+    rb, gb, rs, gs = 16, 256, 1, 16
+    in_tile = "mul.wide.u32 o, g, 16; add.s64 wp, wp, o; cvt.u64.u32 o, g; add.s64 sp, sp, o;\n"
     n_out = 1 + 4 * mr * nt
     wb, sb, xb, r0 = (f"${n_out + j}" for j in range(4))
     regs = [f"w{i}a{j}, w{i}b{j}, s{i}a{j}, s{i}b{j}" for i in range(mr) for j in range(unroll)]
@@ -123,7 +120,7 @@ def tiles_asm(mr: int, nt: int, unroll: int, groups: int, row_offs: list[int], s
         + "".join(f".reg .b32 {r};\n" for r in regs)
         + "".join(f".reg .f32 {a};\n" for a in acc)
         + f"""mov.u32 tid, %tid.x; and.b32 lane, tid, 31; shr.u32 warp, tid, 5; shr.u32 g, lane, 2; and.b32 t, lane, 3;
-mul.lo.u32 r, warp, {warp_rows}; add.u32 r, r, {r0}; min.s32 r, r, {last_row};{"" if tiled else " add.u32 r, r, g;"}
+mul.lo.u32 r, warp, {warp_rows}; add.u32 r, r, {r0}; min.s32 r, r, {last_row};
 mul.wide.u32 o, r, {stride_bn}; add.s64 wp, {wb}, o; mul.wide.u32 o, t, 4; add.s64 wp, wp, o;
 mul.wide.u32 o, r, {stride_sn}; add.s64 sp, {sb}, o;
 {in_tile}mul.wide.u32 o, g, {x_row}; add.s64 xp, {xb}, o; mul.wide.u32 o, t, 16; add.s64 xp, xp, o;
@@ -223,11 +220,11 @@ def row_tiles(rows: int, gate_up: bool, mr: int) -> int:
 
 def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
                           limit=7.0, alpha=1.702, *, sum_k: bool = True, nt: int = 4, mr: int = 4,
-                          unroll: int = 2, fold: bool = False, tiled: bool = False) -> torch.Tensor:  # fmt: skip
+                          unroll: int = 2, fold: bool = False) -> torch.Tensor:  # fmt: skip
     """`moe_mxfp4_gemv`'s result (its first arguments), each expert read once per 8 * nt of its pairs (CUDA
     only). nt: pair tiles of 8 a warp; mr: row tiles of 16 a warp (gate/up: half gate, half up; fewer when
     the weights have fewer rows); unroll: groups a lane loads before it uses any; fold: the scales folded
-    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`); tiled: w in tiles (mxfp4_layout.py)."""
+    into the fp16 weights (`tiles_asm`; only where `fold_fits(w)`). w in tiles (mxfp4_layout.py)."""
     num_tokens, k = topk_ids.shape
     num_pairs = num_tokens * k
     hidden = x.shape[1]
@@ -242,7 +239,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     h = torch.empty(num_pairs + cols, inter, dtype=torch.float16, device=x.device)  # pad rows: never stored
     mr_gu = row_tiles(2 * inter, True, mr)
     asm = tiles_asm(mr_gu, nt, unroll, hidden // 32, [8 * i if i % 2 == 0 else inter + 8 * (i - 1) for i in
-                    range(mr_gu)], gub.stride(1), gus.stride(1), 8 * mr_gu, inter - 8 * mr_gu, 2 * hidden, fold, tiled)  # fmt: skip
+                    range(mr_gu)], gub.stride(1), gus.stride(1), 8 * mr_gu, inter - 8 * mr_gu, 2 * hidden, fold)  # fmt: skip
     _gate_up_tiles[(max_tiles, triton.cdiv(inter, WARPS.value * 8 * mr_gu))](
         xs, gub, gus, gate_up_bias if gate_up_bias is not None else dummy, *plan, h, num_experts, inter,
         float(limit), float(alpha), gub.stride(0), gus.stride(0),
@@ -252,7 +249,7 @@ def moe_mxfp4_mma_grouped(x, w, topk_weights, topk_ids, gate_up_bias=None, down_
     )  # fmt: skip
     mr_d = row_tiles(hidden, False, mr)
     asm = tiles_asm(mr_d, nt, unroll, inter // 32, [16 * i for i in range(mr_d)], db.stride(1), ds.stride(1),
-                    16 * mr_d, hidden - 16 * mr_d, 2 * inter, fold, tiled)  # fmt: skip
+                    16 * mr_d, hidden - 16 * mr_d, 2 * inter, fold)  # fmt: skip
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_tiles[(max_tiles, triton.cdiv(hidden, WARPS.value * 16 * mr_d))](

@@ -1,11 +1,10 @@
 """The inline PTX of the one-token tensor-core GEMV's loop (mxfp4_mma.py).
 
 `mma_rows_ptx`: a lane loads a step's words, scales and inputs into registers (4 groups, or 8), then
-decodes and runs its MMAs. The kernel reads at ~34% of the copy bandwidth at one token on the H100, where a
-plain read reaches 85%; more loads in flight a warp (a `cp.async` ring in shared memory; 8 groups a step
-with the inputs loaded late) and fewer L1 wavefronts (whole groups a lane) did not change that
-(docs/kernels.md, bench/RESULTS.md). `tiled` reads the weights in tiles (mxfp4_layout.py), where a warp
-load is one 128-byte line instead of 16 bytes of 8 rows: the experiment that tests the DRAM side.
+decodes and runs its MMAs. The weights are in tiles (mxfp4_layout.py), so a warp's load of a group is one
+256-byte run instead of 16 bytes of 16 rows 1,440 bytes apart: on the H100 that took gpt-oss-120b's batch-1
+step from 2.834 to 2.691 ms, where more loads in flight a warp (a `cp.async` ring in shared memory; 8 groups
+a step with the inputs loaded late) and fewer L1 wavefronts had changed nothing (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -53,15 +52,16 @@ def _step(unroll: int, tail: bool, gb: int, sgb: int) -> str:
     return out
 
 
-def mma_rows_ptx(unroll: int, tiled: bool = False) -> str:
+def mma_rows_ptx(unroll: int) -> str:
     """The PTX of one lane's work, `unroll` groups a step. Operands: $0 the lane, $1 / $2 its warp's partial
     sums over the warp's share of the groups for rows g and g + 8 (g = lane / 4) of C column 2t (t = lane %
     4: the pair's column 0 is t = 0's); $3 first row's bytes, $4 its scales, $5 this lane's column's fp16
     inputs (pair order), $6 / $7 bytes per row of blocks / scales, $12 / $8 first and end group, $9 rows
     left from the first, $10 groups per warp, $11 warps per row set (warp w takes share w % $11). Rows
-    past the last read the last row. tiled: the weights in tiles, mxfp4_layout.py ($6 = 16, $7 = 1)."""
-    gb, sgb = (256, 16) if tiled else (16, 1)
-    first_scale = f"mul.wide.u32 o, n, {sgb}" if tiled else "cvt.u64.u32 o, n"  # o = n * sgb
+    past the last read the last row. The weights are in tiles (mxfp4_layout.py): $6 = 16, $7 = 1, and a
+    group of the tile's 16 rows is `gb` bytes on from the one before (its scales `sgb`)."""
+    gb, sgb = 256, 16
+    first_scale = f"mul.wide.u32 o, n, {sgb}"  # o = n * sgb
     regs = "".join(
         f".reg .pred q{j};\n.reg .b32 n{j}, wa{j}, wb{j}, sa{j}, sb{j}, x0{j}, x1{j}, x2{j}, x3{j};\n"
         for j in range(unroll)

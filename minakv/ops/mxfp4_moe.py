@@ -70,27 +70,26 @@ def moe_mxfp4(
     sum_k: bool = True,
     fold: bool = False,
     x16: torch.Tensor | None = None,
-    tiled: bool = False,
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * expert(x) -> [T, H] in x's dtype, the experts packed.
     sum_k=False lets the decode kernel return its k parts [T, k, H] fp32 (see `moe`). fold: every scale
     byte of the layer is in mxfp4_mma_grouped.FOLD_RANGE (`fold_fits`, decided once at load), so the
     grouped tensor-core GEMM may fold the scales into the weights. x16: x already in pair order
-    (`takes_pair_order`: the router wrote it), for the tensor-core GEMV. tiled: w in tiles (mxfp4_layout.py)."""
+    (`takes_pair_order`: the router wrote it), for the tensor-core GEMV. w: in tiles (mxfp4_layout.py), as GptOssExperts holds them."""
     args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if not use_triton(x):
-        return moe_mxfp4_ref(*args, tiled=tiled)
+        return moe_mxfp4_ref(*args)
     if takes_gemv(topk_ids.numel(), w["gate_up_blocks"].shape[0]):
-        return moe_mxfp4_gemv(*args, sum_k=sum_k, x16=x16, tiled=tiled, **gemv_config(topk_ids.numel()))
+        return moe_mxfp4_gemv(*args, sum_k=sum_k, x16=x16, **gemv_config(topk_ids.numel()))
     num_experts = w["gate_up_blocks"].shape[0]
     most = MMA_FOLD_MAX_PER_EXPERT if fold else MMA_GROUPED_MAX_PER_EXPERT
     if topk_ids.numel() <= most * num_experts and mma_grouped_fits(x, w):
         return moe_mxfp4_mma_grouped(
-            *args, sum_k=sum_k, tiled=tiled, **grouped_config(topk_ids.numel() / num_experts, fold)
+            *args, sum_k=sum_k, **grouped_config(topk_ids.numel() / num_experts, fold)
         )
     if topk_ids.numel() <= FUSED_MAX_PAIRS:
-        return moe_mxfp4_fused(*args, sum_k=sum_k, tiled=tiled)
-    return moe_mxfp4_grouped(*args, mode=prefill_mode(topk_ids.numel(), x, w), tiled=tiled)
+        return moe_mxfp4_fused(*args, sum_k=sum_k)
+    return moe_mxfp4_grouped(*args, mode=prefill_mode(topk_ids.numel(), x, w))
 
 
 def takes_gemv(num_pairs: int, num_experts: int) -> bool:
@@ -141,12 +140,12 @@ def grouped_config(per_expert: float, fold: bool = False) -> dict:
 
 
 def moe_mxfp4_ref(x, w, topk_weights, topk_ids, gate_up_bias=None, down_bias=None, activation="silu",
-                  limit=7.0, alpha=1.702, tiled: bool = False) -> torch.Tensor:  # fmt: skip
+                  limit=7.0, alpha=1.702) -> torch.Tensor:  # fmt: skip
     """The torch path: dequantize to x's dtype, then `moe_loop` (syncs with the host; for CPU)."""
     from minakv.ops.moe import moe_loop  # here, not at the top: moe.py may dispatch to this module
 
     packed_shapes(x, w, topk_ids, activation)
-    w = untile_rows(w) if tiled else w
+    w = untile_rows(w)  # the tiles (mxfp4_layout.py) back in the checkpoint's rows, which dequantize reads
     gate_up = dequantize_mxfp4(w["gate_up_blocks"], w["gate_up_scales"], x.dtype)
     down = dequantize_mxfp4(w["down_blocks"], w["down_scales"], x.dtype)
     return moe_loop(

@@ -9,10 +9,10 @@ The packed layout (minakv/ops/quant.py), one expert, one output row n of a weigh
 
     W[n, k] = fp4(code of k) * 2^(s[n, k // 32] - 127)
 
-(The checkpoint's layout; the same bytes may sit in 16-row tiles instead, minakv/ops/mxfp4_layout.py, which
-every loader here reads when told `TILED`.) So a row's bytes are contiguous (group g's 16 bytes come right
-after group g-1's), and the weight tile for output rows n..n+BN and inputs k0..k0+BK is a plain [BN, BK/2]
-byte tile plus a [BN, BK/32] scale tile: a quarter of the bf16 tile's bytes and 1/64 more for the scales.
+(The checkpoint's layout. Resident weights keep these bytes but in 16-row tiles, minakv/ops/mxfp4_layout.py,
+where a row's group g sits 256 bytes after its group g-1: the loaders here step by its `byte_offsets`,
+`group_offsets` and `scale_offsets`.) The weight tile for output rows n..n+BN and inputs k0..k0+BK is a
+[BN, BK/2] byte tile plus a [BN, BK/32] scale tile: a quarter of the bf16 tile's bytes and 1/64 more for the scales.
 `load_mxfp4_tile` loads both and expands them in registers, the weights never exist in bf16 in memory:
 
     bytes [BN, BK/2] --& 0xF--> even codes --+
@@ -140,23 +140,22 @@ def e8m0_values(scales, BF16: tl.constexpr):
 
 
 @triton.jit
-def load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
-                    TILED: tl.constexpr):  # fmt: skip
+def load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
     """W[rows, k0 : k0 + BLOCK_K] dequantized -> [BN, BLOCK_K] (0 past K and on masked rows).
 
     byte_rows / scale_rows: [BN, 1] pointers to the first byte / scale of each output row
-    (mxfp4_layout.packed_rows); TILED: the weights in tiles (mxfp4_layout.py)."""
+    (mxfp4_layout.packed_rows), the weights in tiles (mxfp4_layout.py)."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
     BN: tl.constexpr = byte_rows.shape[0]
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     packed = tl.load(
-        byte_rows + byte_offsets(offs_b, TILED)[None, :],
+        byte_rows + byte_offsets(offs_b)[None, :],
         mask=row_ok[:, None] & (offs_b < K // 2)[None, :],
         other=0,
     )
     offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     scale = tl.load(
-        scale_rows + scale_offsets(offs_g, TILED)[None, :],
+        scale_rows + scale_offsets(offs_g)[None, :],
         mask=row_ok[:, None] & (offs_g < K // 32)[None, :],
         other=127,
     )
@@ -192,22 +191,17 @@ def e2m1_f16(codes):
 
 
 @triton.jit
-def load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
-                      TILED: tl.constexpr):  # fmt: skip
+def load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
     """W[rows, k0 : k0 + BLOCK_K] dequantized, as its even and odd columns -> two [BN, BLOCK_K / 2] tiles in
-    bf16 or fp32 (0 past K and on masked rows). byte_rows / scale_rows / TILED as in `load_mxfp4_tile`."""
+    bf16 or fp32 (0 past K and on masked rows). byte_rows / scale_rows as in `load_mxfp4_tile`."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
     BN: tl.constexpr = byte_rows.shape[0]
     G: tl.constexpr = BLOCK_K // 32
     offs_g = k0 // 32 + tl.arange(0, G)
     g_ok = row_ok[:, None] & (offs_g < K // 32)[None, :]  # [BN, G]: masks whole groups, keeps vector loads
-    ptrs = (
-        byte_rows[:, :, None]
-        + group_offsets(offs_g, 1, TILED)[None, :, None]
-        + tl.arange(0, 16)[None, None, :]
-    )
+    ptrs = byte_rows[:, :, None] + group_offsets(offs_g, 1)[None, :, None] + tl.arange(0, 16)[None, None, :]
     packed = tl.load(ptrs, mask=g_ok[:, :, None], other=0)
-    s = tl.load(scale_rows + scale_offsets(offs_g, TILED)[None, :], mask=g_ok, other=0).to(tl.uint32)
+    s = tl.load(scale_rows + scale_offsets(offs_g)[None, :], mask=g_ok, other=0).to(tl.uint32)
     s += 14  # 2^(s - 127) * 2^14
     if BF16:
         scale = (s << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -245,28 +239,28 @@ def load_act(a_rows, m_ok, k0, K, BLOCK_K: tl.constexpr, MODE: tl.constexpr, A_S
 
 @triton.jit
 def mxfp4_acc(a0, a1, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
-              F32_DOT: tl.constexpr, MODE: tl.constexpr, TILED: tl.constexpr):  # fmt: skip
+              F32_DOT: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
     """acc [BM, BN] + A[:, k0 : k0 + BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T, (a0, a1) from `load_act`."""
     if MODE == 0:
-        w = load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16, TILED)
+        w = load_mxfp4_tile(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
         out = dot_wt(a0, w, acc, F32_DOT)
     elif MODE == 4:
-        out = dot_packed(a0, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K, TILED)
+        out = dot_packed(a0, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K)
     elif MODE == 1:
-        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16, TILED)
+        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
         out = dot_wt(a1, w1, dot_wt(a0, w0, acc, F32_DOT), F32_DOT)
     elif MODE == 3:  # the weights as the left operand: Hopper's wgmma reads that one from registers
-        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16, TILED)
+        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, BF16)
         out = acc + tl.trans(dot_wa(w0, a0, dot_wa(w1, a1, None, F32_DOT), F32_DOT))
     else:
-        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, False, TILED)
+        w0, w1 = load_mxfp4_halves(byte_rows, scale_rows, row_ok, k0, K, BLOCK_K, False)
         prod = a0.to(tl.float32)[:, None, :] * w0[None, :, :] + a1.to(tl.float32)[:, None, :] * w1[None, :, :]
         out = acc + tl.sum(prod, 2)
     return out
 
 
 @triton.jit
-def dot_packed(a, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
+def dot_packed(a, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constexpr):
     """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T by tl.dot_scaled: the bytes go in as the [BLOCK_K / 2, BN] e2m1
     operand (our packing is the OCP one it expects: the low nibble is the even input) with the [BN,
     BLOCK_K / 32] E8M0 scales. Triton loads the bytes to shared memory in its pipeline, reads them in the
@@ -274,13 +268,13 @@ def dot_packed(a, byte_rows, scale_rows, row_ok, k0, K, acc, BLOCK_K: tl.constex
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the MXFP4 group (32)")
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     bytes_t = tl.load(
-        tl.trans(byte_rows) + byte_offsets(offs_b, TILED)[:, None],
+        tl.trans(byte_rows) + byte_offsets(offs_b)[:, None],
         mask=row_ok[None, :] & (offs_b < K // 2)[:, None],
         other=0,
     )
     offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     scales = tl.load(
-        scale_rows + scale_offsets(offs_g, TILED)[None, :],
+        scale_rows + scale_offsets(offs_g)[None, :],
         mask=row_ok[:, None] & (offs_g < K // 32)[None, :],
         other=0,
     )
