@@ -216,6 +216,27 @@ def test_moe_mxfp4_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert taken == ["moe_mxfp4_gemv", "moe_mxfp4_fused", "moe_mxfp4_grouped"]
 
 
+def test_fp32_activations_stay_off_the_tensor_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled runs (the interpreter flag off, the kernels stubbed): 16-bit activations take the
+    tensor-core GEMV and grouped GEMM, fp32 ones the CUDA-core GEMV and the fused kernels (fp32 dots), since
+    the MMAs' fp16 inputs would cost them ~1e-3; and the router writes x in pair order only for the former."""
+    from minakv.ops import triton_util
+
+    monkeypatch.setattr(triton_util, "TRITON_ON_CPU", True)
+    monkeypatch.setattr(mxfp4_moe, "interpreting", lambda: False)
+    taken = []
+    monkeypatch.setattr(mxfp4_moe, "moe_mxfp4_gemv", lambda *a, mma, **kw: taken.append(("gemv", mma)))
+    monkeypatch.setattr(mxfp4_moe, "moe_mxfp4_mma_grouped", lambda *a, **kw: taken.append("mma grouped"))
+    monkeypatch.setattr(mxfp4_moe, "moe_mxfp4_fused", lambda *a, **kw: taken.append("fused"))
+    for dtype in (torch.bfloat16, torch.float32):
+        for tokens in (1, 3):  # 2 pairs over 4 experts: the GEMV; 6: the grouped tensor-core GEMM if it may
+            args, _ = case("silu", tokens, seed=tokens)
+            moe_mxfp4(args[0].to(dtype), *args[1:])
+    assert taken == [("gemv", True), "mma grouped", ("gemv", False), "fused"]
+    x = torch.zeros(1, 64)
+    assert mxfp4_moe.takes_pair_order(x.bfloat16(), 2, 4) and not mxfp4_moe.takes_pair_order(x, 2, 4)
+
+
 def test_shapes_are_checked() -> None:
     args, _ = case("silu", 2)
     x, w = args[0], args[1]

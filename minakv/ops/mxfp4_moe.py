@@ -49,10 +49,17 @@ BF16_ONCE_PER_EXPERT, BF16_ONCE_MAX_BYTES = 512, 2 << 30
 MMA_GROUPED_MAX_PER_EXPERT, MMA_FOLD_MAX_PER_EXPERT = 64, 256
 
 
+def tensor_cores_fit(x: torch.Tensor) -> bool:
+    """Whether the tensor-core kernels (mxfp4_mma.py, mxfp4_mma_grouped.py) may take x: compiled runs (inline
+    PTX) and 16-bit activations. They feed the MMAs fp16 activations, which would cost fp32 ones their
+    precision (~1e-3 relative); those take the kernels with fp32 dots instead."""
+    return not interpreting() and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def mma_grouped_fits(x: torch.Tensor, w: dict[str, torch.Tensor]) -> bool:
-    """Whether mxfp4_mma_grouped.py serves this layer: compiled runs (inline PTX), and a warp's rows fit
-    (16 of the intermediate size, 16 of the hidden size)."""
-    return not interpreting() and w["gate_up_blocks"].shape[1] >= 32 and x.shape[1] >= 16
+    """Whether mxfp4_mma_grouped.py serves this layer: `tensor_cores_fit`, and a warp's rows fit (16 of the
+    intermediate size, 16 of the hidden size)."""
+    return tensor_cores_fit(x) and w["gate_up_blocks"].shape[1] >= 32 and x.shape[1] >= 16
 
 
 def moe_mxfp4(
@@ -80,7 +87,8 @@ def moe_mxfp4(
     if not use_triton(x):
         return moe_mxfp4_ref(*args)
     if takes_gemv(topk_ids.numel(), w["gate_up_blocks"].shape[0]):
-        return moe_mxfp4_gemv(*args, sum_k=sum_k, x16=x16, **gemv_config(topk_ids.numel()))
+        config = gemv_config(topk_ids.numel())
+        return moe_mxfp4_gemv(*args, sum_k=sum_k, x16=x16, **config | {"mma": tensor_cores_fit(x)})
     num_experts = w["gate_up_blocks"].shape[0]
     most = MMA_FOLD_MAX_PER_EXPERT if fold else MMA_GROUPED_MAX_PER_EXPERT
     if topk_ids.numel() <= most * num_experts and mma_grouped_fits(x, w):
@@ -100,7 +108,7 @@ def takes_gemv(num_pairs: int, num_experts: int) -> bool:
 def takes_pair_order(x: torch.Tensor, num_pairs: int, num_experts: int) -> bool:
     """Does `moe_mxfp4` read x through `pair_order` (the tensor-core GEMV, compiled runs)? Then the router can
     write that copy instead (routing.py `pair_out`), one launch fewer a layer."""
-    return use_triton(x) and not interpreting() and takes_gemv(num_pairs, num_experts)
+    return use_triton(x) and tensor_cores_fit(x) and takes_gemv(num_pairs, num_experts)
 
 
 def gemv_config(num_pairs: int) -> dict:
