@@ -28,7 +28,7 @@
 #   sort      issue 12: the counting sort, one program against a program per chunk, at 64-1,024 tokens ~40 s
 #   tiled     issue 12: the MXFP4 GEMV (1, 4 tokens), grouped GEMMs (64-1,024; prefill 4,096) on tiles (mxfp4_layout.py), kernels (err column) ~160 s
 #   b1        issue 12: gpt-oss-120b (dummy MXFP4) at batch 1 with its kernel table, 20,000-token pool (fits an H100) ~150 s
-#   gputests  issue 12: the GPU tests of the model, the MXFP4 and FP8 kernels, routing, norms and RoPE (test_model_gpu.py, test_ops_{mxfp4,routing,fp8,kv_store}.py) ~150 s
+#   gputests  issue 12: the GPU tests of the model, the MXFP4 and FP8 kernels, routing, norms and RoPE (test_model_gpu.py, test_ops_{mxfp4,routing,fp8,kv_store}.py; compiles: ~350 s)
 #   serve     issue 10/11: the HTTP replay with the piece cache (bench/serve_replay.sh; needs wheels) ~400 s
 # The GPT-OSS tokenizer cannot be built there (no quicktok): carry a MINAKV_CACHE holding o200k/ (see
 # bench/serve_replay.sh) for `serve`; the other steps need no tokenizer.
@@ -85,7 +85,7 @@ for step in $STEPS; do
             --out "$OUT/moe_sort.json" ;;
         b1) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1 --prompt 400 --repeats 2 \
             --modes greedy --kv-tokens 20000 --kernels ;;
-        gputests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_model_gpu.py tests/test_ops_mxfp4.py tests/test_ops_routing.py \
+        gputests) timeout 420 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_model_gpu.py tests/test_ops_mxfp4.py tests/test_ops_routing.py \
             tests/test_ops_fp8.py tests/test_ops_kv_store.py \
             -k "gpu or cuda" ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;
