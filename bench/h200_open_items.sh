@@ -85,9 +85,11 @@ for step in $STEPS; do
             --out "$OUT/moe_sort.json" ;;
         b1) timeout 200 python3 bench/decode_sweep.py --dummy gpt-oss-120b --batches 1 --prompt 400 --repeats 2 \
             --modes greedy --kv-tokens 20000 --kernels ;;
-        gputests) timeout 420 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_model_gpu.py tests/test_ops_mxfp4.py tests/test_ops_routing.py \
-            tests/test_ops_fp8.py tests/test_ops_kv_store.py \
-            -k "gpu or cuda" ;;
+        gputests) for t in test_model_gpu test_ops_mxfp4 test_ops_routing test_ops_fp8 test_ops_kv_store; do
+                # a process per file: the compiles (CPU-bound, most of the time) run side by side
+                timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/$t.py -k "gpu or cuda" \
+                    > "$OUT/gputests_$t.log" 2>&1 &
+            done; wait; tail -n 15 "$OUT"/gputests_*.log ;;
         serve) timeout 450 bash bench/serve_replay.sh ;;
         *) echo "unknown step $step" ;;
     esac > "$log" 2>&1
