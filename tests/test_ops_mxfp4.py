@@ -445,6 +445,8 @@ def test_grouped_config_folds_only_where_it_was_faster() -> None:
     from minakv.ops.mxfp4_moe import grouped_config
 
     assert grouped_config(2, fold=True) == {"mr": 2, "nt": 1, "unroll": 2}
+    assert grouped_config(8, fold=True) == {"mr": 2, "nt": 1, "unroll": 2}  # one pair tile holds them
+    assert grouped_config(9) == {"mr": 2, "nt": 2, "unroll": 2}
     assert grouped_config(12, fold=True) == {"mr": 2, "nt": 2, "unroll": 2}
     assert grouped_config(64) == {"mr": 2, "nt": 4, "unroll": 2}
     assert grouped_config(32, fold=True) == {"mr": 2, "nt": 4, "unroll": 2, "fold": True}

@@ -134,9 +134,10 @@ def prefill_mode(num_pairs: int, x: torch.Tensor, w: dict[str, torch.Tensor]) ->
 def grouped_config(per_expert: float, fold: bool = False) -> dict:
     """The grouped tensor-core GEMM's tiles for this many pairs an expert, measured on the H200 at gpt-oss's
     shapes (bench/RESULTS.md, "Grouped tensor-core GEMM", "Scales folded"): 2 row tiles a warp; 1 pair tile
-    up to 2 pairs an expert, 2 up to 12 (folding loses there), then 4; where the layer folds: 4 folded up
-    to 32, 8 folded (loads not unrolled, for registers) beyond."""
-    if per_expert <= 2:
+    (8 pairs) up to 8 pairs an expert (on weights in tiles, H100 at 20b's 8: 0.236 ms against 0.263 for 2
+    pair tiles, half of whose columns would be padding; "16-row tiles"), 2 up to 12 (folding loses there),
+    then 4; where the layer folds: 4 folded up to 32, 8 folded (loads not unrolled, for registers) beyond."""
+    if per_expert <= 8:
         return {"mr": 2, "nt": 1, "unroll": 2}
     if per_expert <= 12 or not fold:
         return {"mr": 2, "nt": 2 if per_expert <= 12 else 4, "unroll": 2}
