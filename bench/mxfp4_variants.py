@@ -50,6 +50,7 @@ from minakv.ops.fused_moe import moe_fused
 from minakv.ops.moe import moe_grouped, moe_loop
 from minakv.ops.mxfp4_gemv import moe_mxfp4_gemv
 from minakv.ops.mxfp4_grouped import moe_mxfp4_grouped
+from minakv.ops.mxfp4_layout import group_offsets, row_starts
 from minakv.ops.mxfp4_mma import moe_mxfp4_mma
 from minakv.ops.mxfp4_mma_grouped import moe_mxfp4_mma_grouped
 from minakv.ops.mxfp4_moe import moe_mxfp4_fused
@@ -114,15 +115,17 @@ STREAM = [(8, 8, 2), (16, 8, 4), (4, 32, 4), (2, 64, 4), (4, 8, 1), (1, 32, 1), 
 @triton.jit
 def _stream_kernel(w_ptr, ids_ptr, out_ptr, N, NG, stride_be, stride_bn, BLOCK_N: tl.constexpr,
                    GROUPS: tl.constexpr):  # fmt: skip
-    """Read a pair's expert rows as the GEMV does ([BN, G, 4] words a step), xor them: bytes only, no math."""
-    expert = tl.load(ids_ptr + tl.program_id(0)).to(tl.int64)
+    """Read a pair's expert rows as the GEMV does ([BN, G, 4] words a step, in tiles: mxfp4_layout.py), xor
+    them: bytes only, no math."""
+    expert = tl.load(ids_ptr + tl.program_id(0))
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = w_ptr + expert * stride_be + offs_n[:, None, None] * stride_bn
+    rows, _ = row_starts(w_ptr, w_ptr, expert, offs_n, stride_be, stride_bn, 0, 0, 4)  # (no scales read)
     acc = tl.zeros((BLOCK_N, GROUPS, 4), dtype=tl.int32)
     for g0 in range(0, NG, GROUPS):
         offs_g = g0 + tl.arange(0, GROUPS)
         ok = (offs_n < N)[:, None, None] & (offs_g < NG)[None, :, None]
-        acc ^= tl.load(rows + offs_g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :], mask=ok, other=0)
+        words = rows[:, None, None] + group_offsets(offs_g, 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+        acc ^= tl.load(words, mask=ok, other=0)
     tl.store(
         out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
         tl.sum(tl.sum(tl.sum(acc, 2), 1), 0),
@@ -130,8 +133,7 @@ def _stream_kernel(w_ptr, ids_ptr, out_ptr, N, NG, stride_be, stride_bn, BLOCK_N
 
 
 def stream(w: dict, ids: torch.Tensor, block_n: int, groups: int, warps: int) -> None:
-    """The GEMV's weight reads alone (gate/up, then down), for a bytes-only ceiling of its access pattern
-    as it was in rows (each row's groups in turn; the kernels now read tiles, mxfp4_layout.py)."""
+    """The GEMV's weight reads alone (gate/up, then down), for a bytes-only ceiling of its access pattern."""
     out = torch.empty(ids.numel() * 8192, dtype=torch.int32, device=ids.device)
     flat = ids.reshape(-1)
     for key in ("gate_up_blocks", "down_blocks"):
