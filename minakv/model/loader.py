@@ -7,9 +7,10 @@ by name. Our parameter names are the checkpoint names without `model.` (MiniMax-
            or MXFP4 `*_blocks` / `*_scales` ([E, out, in] orientation); gate/up rows interleaved -> halves.
   MiniMax-M2: one `w1` (gate) / `w3` (up) / `w2` (down) per expert, possibly FP8 with `weight_scale_inv`.
 Quantised weights stay in their format (minakv.ops.quant): GPT-OSS's MXFP4 experts packed
-(`GptOssExperts.packed`, in 16-row tiles: minakv/ops/mxfp4_layout.py), MiniMax-M2's FP8 attention projections and experts with their block scales
-(`Fp8Linear`, `MiniMaxM2Experts.fp8`), for the kernels that dequantise in registers. Every tensor must be used once and every parameter found: a
-missing, unexpected or mis-shaped tensor is an error that names it.
+(`GptOssExperts.packed`, re-laid in 16-row tiles: minakv/ops/mxfp4_layout.py), MiniMax-M2's FP8 attention
+projections and experts with their block scales (`Fp8Linear`, `MiniMaxM2Experts.fp8`), for the kernels that
+dequantise in registers. Every tensor must be used once and every parameter found: a missing, unexpected
+or mis-shaped tensor is an error that names it.
 
 Under tensor / expert parallelism (`parallel`, minakv/parallel/) a rank loads only its share: each tensor is
 read on the host, cut by `minakv.parallel.shard.shard` (bf16, MXFP4 and FP8 alike, in their stored form),

@@ -114,7 +114,8 @@ def k_per_split(size: int, block_k: int, splits: int) -> int:
 
 
 @triton.jit
-def _rows(blocks_ptr, scales_ptr, expert, N, stride_be, stride_bn, stride_se, stride_sn, BLOCK_N: tl.constexpr):  # fmt: skip
+def _rows(blocks_ptr, scales_ptr, expert, N, stride_be, stride_bn, stride_se, stride_sn,
+          BLOCK_N: tl.constexpr):  # fmt: skip
     """This program's output rows of the expert's weight: (offsets, which are < N, [BN, 1] row pointers to
     the words and to the scales)."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
