@@ -52,7 +52,7 @@ MMA_GROUPED_MAX_PER_EXPERT, MMA_FOLD_MAX_PER_EXPERT = 64, 256
 def tensor_cores_fit(x: torch.Tensor) -> bool:
     """Whether the tensor-core kernels (mxfp4_mma.py, mxfp4_mma_grouped.py) may take x: compiled runs (inline
     PTX) and 16-bit activations. They feed the MMAs fp16 activations, which would cost fp32 ones their
-    precision (~1e-3 relative); those take the kernels with fp32 dots instead."""
+    precision (fp16 rounds each input by up to 2^-11 relative); those take the kernels with fp32 dots."""
     return not interpreting() and x.dtype in (torch.bfloat16, torch.float16)
 
 
