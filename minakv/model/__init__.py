@@ -102,9 +102,8 @@ def build_model(
     for name, b in full.named_buffers():
         if b.dtype == torch.uint8 and name.endswith("_blocks"):  # MXFP4 codes: any byte is two valid codes
             drawn = torch.randint(0, 256, b.shape, generator=gen, device=gen.device, dtype=torch.uint8)
-            ours[name].copy_(
-                tile_blocks(shard(name, drawn, parallel))
-            )  # as the loader: tiles of the rank's rows
+            # as the loader: the rank's rows, then re-laid in tiles (minakv/ops/mxfp4_layout.py)
+            ours[name].copy_(tile_blocks(shard(name, drawn, parallel)))
         elif b.dtype == torch.uint8 and name.endswith("_scales"):  # 2^-7: values of std ~0.02, like the rest
             ours[name].fill_(120)
         elif b.dtype == torch.float8_e4m3fn:  # FP8 codes of std 1, with scales of 0.02 below

@@ -152,20 +152,16 @@ def load_gpt_oss_experts(
     def put(ours: str, tensor: torch.Tensor) -> None:  # this rank's experts, on the host -> its slice
         getattr(experts, ours).data.copy_(shard_experts(f"{name}.{ours}", tensor, par).to(device))
 
-    def put_packed(
-        ours: str, blocks: torch.Tensor, scales: torch.Tensor
-    ) -> None:  # this rank's rows, in tiles
+    def put_packed(ours: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        # this rank's rows, re-laid in 16-row tiles (minakv/ops/mxfp4_layout.py) on the device
         blocks = shard_experts(f"{name}.{ours}_blocks", blocks, par).to(device)
         scales = shard_experts(f"{name}.{ours}_scales", scales, par).to(device)
-        blocks, scales = tile(
-            blocks, scales, parts=2 if ours == "gate_up" else 1
-        )  # minakv/ops/mxfp4_layout.py
+        blocks, scales = tile(blocks, scales, parts=2 if ours == "gate_up" else 1)
         getattr(experts, f"{ours}_blocks").copy_(blocks)
         getattr(experts, f"{ours}_scales").copy_(scales)
 
-    if (
-        mxfp4
-    ):  # the bytes stay packed (GptOssExperts), in 16-row tiles; the gate/up rows reordered into halves
+    # MXFP4: the bytes stay packed (GptOssExperts), in tiles; the gate/up rows reordered into halves
+    if mxfp4:
         for ours, theirs, out, cols in (("gate_up", "gate_up_proj", 2 * i, h), ("down", "down_proj", h, i)):
             if cols % 32:
                 raise CheckpointError(f"MXFP4 {prefix}.{theirs}: input dim {cols} is not a multiple of 32")

@@ -82,7 +82,8 @@ def moe_mxfp4(
     sum_k=False lets the decode kernel return its k parts [T, k, H] fp32 (see `moe`). fold: every scale
     byte of the layer is in mxfp4_mma_grouped.FOLD_RANGE (`fold_fits`, decided once at load), so the
     grouped tensor-core GEMM may fold the scales into the weights. x16: x already in pair order
-    (`takes_pair_order`: the router wrote it), for the tensor-core GEMV. w: in tiles (mxfp4_layout.py), as GptOssExperts holds them."""
+    (`takes_pair_order`: the router wrote it), for the tensor-core GEMV. w: in tiles (mxfp4_layout.py), as
+    GptOssExperts holds them."""
     args = (x, w, topk_weights, topk_ids, gate_up_bias, down_bias, activation, limit, alpha)
     if not use_triton(x):
         return moe_mxfp4_ref(*args)
